@@ -1,0 +1,1 @@
+"""scrubgate policy core."""

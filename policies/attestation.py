@@ -1,0 +1,180 @@
+"""Scrub attestations: the compact JWS the agent signs and the webhook verifies (DESIGN.md, "Attestation").
+
+Ed25519 (`alg: EdDSA`, RFC 8037) through `cryptography`; no JOSE library because the format is fixed
+and small, and a general JOSE library would accept algorithms we must refuse.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE
+
+PAYLOAD_VERSION = 1
+
+
+class AttestationError(ValueError):
+    """The attestation cannot be trusted for this claim; the message says why."""
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64url(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise AttestationError("attestation is not base64url") from exc
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def build_payload(
+    *,
+    namespace: str,
+    name: str,
+    uid: str,
+    node: str,
+    devices: Iterable[Mapping[str, Any]],
+    started_at: datetime,
+    finished_at: datetime,
+    health: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The payload of DESIGN.md; `devices` are dicts with driver, pool, device, uuid, bytesScrubbed,
+    bytesTotal, method and verified."""
+    return {
+        "v": PAYLOAD_VERSION,
+        "claim": {"namespace": namespace, "name": name, "uid": uid},
+        "node": node,
+        "devices": [dict(d) for d in devices],
+        "startedAt": rfc3339(started_at),
+        "finishedAt": rfc3339(finished_at),
+        "health": dict(health),
+    }
+
+
+def sign(payload: Mapping[str, Any], private_key: Ed25519PrivateKey, kid: str) -> str:
+    header = {"alg": "EdDSA", "kid": kid, "typ": ATTESTATION_TYPE}
+    signing_input = ".".join(
+        _b64url(json.dumps(part, separators=(",", ":"), sort_keys=True).encode()) for part in (header, payload)
+    )
+    return f"{signing_input}.{_b64url(private_key.sign(signing_input.encode('ascii')))}"
+
+
+def load_private_key(pem: bytes) -> Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(pem, password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(
+            "signing key is not an Ed25519 private key (generate one with `openssl genpkey -algorithm ed25519`)"
+        )
+    return key
+
+
+def load_public_key(pem: str | bytes) -> Ed25519PublicKey:
+    key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError("attestation public key is not an Ed25519 key")
+    return key
+
+
+def public_key_pem(private_key: Ed25519PrivateKey) -> str:
+    return (
+        private_key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode("ascii")
+    )
+
+
+def verify(token: str, public_keys: Mapping[str, Ed25519PublicKey]) -> dict[str, Any]:
+    """Checks the signature and the header; returns the payload."""
+    parts = token.strip().split(".") if isinstance(token, str) else []
+    if len(parts) != 3:
+        raise AttestationError("attestation is not a compact JWS (header.payload.signature)")
+    try:
+        header = json.loads(_unb64url(parts[0]))
+        payload = json.loads(_unb64url(parts[1]))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AttestationError("attestation header or payload is not JSON") from exc
+    if not isinstance(header, dict) or not isinstance(payload, dict):
+        raise AttestationError("attestation header and payload must be JSON objects")
+    if header.get("alg") != "EdDSA" or header.get("typ") != ATTESTATION_TYPE:
+        raise AttestationError(f"attestation header must have alg EdDSA and typ {ATTESTATION_TYPE}")
+    kid = header.get("kid")
+    key = public_keys.get(kid) if isinstance(kid, str) else None
+    if key is None:
+        raise AttestationError(f"attestation key id {kid!r} is not among the policy's attestation keys")
+    try:
+        key.verify(_unb64url(parts[2]), f"{parts[0]}.{parts[1]}".encode("ascii"))
+    except InvalidSignature as exc:
+        raise AttestationError(f"attestation signature does not verify with key {kid!r}") from exc
+    if payload.get("v") != PAYLOAD_VERSION:
+        raise AttestationError(f"attestation payload version {payload.get('v')!r} is not {PAYLOAD_VERSION}")
+    return payload
+
+
+def _device_key(device: Mapping[str, Any]) -> tuple[str, str, str]:
+    return (str(device.get("driver", "")), str(device.get("pool", "")), str(device.get("device", "")))
+
+
+def claimed_devices(claim: Mapping[str, Any]) -> set[tuple[str, str, str]]:
+    """The (driver, pool, device) triples this claim holds or held: the allocation in its status, and the
+    agent's record in the `scrubgate.dev/devices` annotation (the allocation is gone after release)."""
+    found: set[tuple[str, str, str]] = set()
+    status = claim.get("status") or {}
+    results = (((status.get("allocation") or {}).get("devices") or {}).get("results")) or []
+    for result in results if isinstance(results, list) else []:
+        if isinstance(result, dict):
+            found.add(_device_key(result))
+    annotations = (claim.get("metadata") or {}).get("annotations") or {}
+    recorded = annotations.get(ANNOTATION_DEVICES)
+    if recorded:
+        try:
+            entries = json.loads(recorded)
+        except json.JSONDecodeError as exc:
+            raise AttestationError(f"annotation {ANNOTATION_DEVICES} is not JSON") from exc
+        if not isinstance(entries, list):
+            raise AttestationError(f"annotation {ANNOTATION_DEVICES} must be a JSON list")
+        found.update(_device_key(e) for e in entries if isinstance(e, dict))
+    return found
+
+
+def check_claim_attestation(
+    token: str,
+    claim: Mapping[str, Any],
+    public_keys: Mapping[str, Ed25519PublicKey],
+    required: set[tuple[str, str, str]] | None = None,
+) -> dict[str, Any]:
+    """Verifies `token` for `claim`: signature, claim UID, and every device in `required` (default: the
+    claim's own, see `claimed_devices`) verified clean. Returns the payload; raises AttestationError naming
+    what does not hold."""
+    payload = verify(token, public_keys)
+    metadata = claim.get("metadata") or {}
+    attested_claim = payload.get("claim") or {}
+    if not metadata.get("uid") or attested_claim.get("uid") != metadata.get("uid"):
+        raise AttestationError(
+            f"attestation is for claim UID {attested_claim.get('uid')!r}, not this claim's {metadata.get('uid')!r}"
+        )
+    attested = payload.get("devices")
+    if not isinstance(attested, list) or not attested:
+        raise AttestationError("attestation lists no devices")
+    clean = {_device_key(d) for d in attested if isinstance(d, dict) and d.get("verified") is True}
+    dirty = sorted("/".join(_device_key(d)) for d in attested if isinstance(d, dict) and d.get("verified") is not True)
+    if dirty:
+        raise AttestationError(f"attestation shows devices not verified clean: {', '.join(dirty)}")
+    required = claimed_devices(claim) if required is None else required
+    missing = sorted("/".join(k) for k in required - clean)
+    if missing:
+        raise AttestationError(f"attestation does not cover the claim's devices: {', '.join(missing)}")
+    return payload

@@ -1,0 +1,140 @@
+"""The policy configuration: one YAML file, validated by pydantic, refused whole when any field is wrong."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import names
+from .attestation import load_public_key
+from .rules_meta import RULES
+
+Action = Literal["deny", "warn", "audit", "off"]
+
+DEFAULT_POLICY_PATH = Path(__file__).with_name("default.yaml")
+
+
+class PolicyError(ValueError):
+    """A policy file that cannot be used; the message names the file, the field path and the reason."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Tenancy(_Model):
+    label: str = names.TENANCY_LABEL
+    trusted_value: str = Field(names.TENANCY_TRUSTED, alias="trustedValue")
+    trusted_namespaces: tuple[str, ...] = Field((), alias="trustedNamespaces")
+
+
+class GracePeriod(_Model):
+    minimum_seconds: int = Field(30, alias="minimumSeconds", ge=0)
+    default_seconds: int = Field(60, alias="defaultSeconds", ge=1)
+    maximum_seconds: int = Field(3600, alias="maximumSeconds", ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GracePeriod:
+        if not self.minimum_seconds <= self.default_seconds <= self.maximum_seconds:
+            raise ValueError("needs minimumSeconds <= defaultSeconds <= maximumSeconds")
+        return self
+
+
+class RuleSettings(_Model):
+    action: Action
+
+
+class Agent(_Model):
+    identities: tuple[str, ...] = (f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}",)
+
+
+class AttestationKey(_Model):
+    kid: str = Field(min_length=1)
+    public_key: str = Field(alias="publicKey")
+
+    @field_validator("public_key")
+    @classmethod
+    def _is_ed25519(cls, pem: str) -> str:
+        load_public_key(pem)
+        return pem
+
+
+class PolicyConfig(_Model):
+    api_version: Literal["scrubgate.dev/v1"] = Field("scrubgate.dev/v1", alias="apiVersion")
+    kind: Literal["PolicyConfig"] = "PolicyConfig"
+    gpu_device_classes: tuple[str, ...] = Field(
+        ("gpu.nvidia.com", "mig.nvidia.com", "*.nvidia.com"), alias="gpuDeviceClasses"
+    )
+    tenancy: Tenancy = Tenancy()
+    grace_period: GracePeriod = Field(GracePeriod(), alias="gracePeriod")
+    rules: dict[str, RuleSettings] = {}
+    agent: Agent = Agent()
+    admin_groups: tuple[str, ...] = Field(("system:masters",), alias="adminGroups")
+    attestation_keys: tuple[AttestationKey, ...] = Field((), alias="attestationKeys")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, ignored_types=(cached_property,))
+
+    @field_validator("rules")
+    @classmethod
+    def _known_rules(cls, rules: dict[str, RuleSettings]) -> dict[str, RuleSettings]:
+        unknown = sorted(set(rules) - set(RULES))
+        if unknown:
+            raise ValueError(f"unknown rule id(s) {', '.join(unknown)}; known: {', '.join(RULES)}")
+        return rules
+
+    def action(self, rule_id: str) -> Action:
+        settings = self.rules.get(rule_id)
+        return settings.action if settings else RULES[rule_id].default_action
+
+    def is_gpu_class(self, device_class: str) -> bool:
+        return any(fnmatch.fnmatchcase(device_class, pattern) for pattern in self.gpu_device_classes)
+
+    @cached_property
+    def public_keys(self) -> dict[str, Ed25519PublicKey]:
+        return {key.kid: load_public_key(key.public_key) for key in self.attestation_keys}
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the effective policy, recorded in audit records so a decision can be traced to its policy."""
+        canonical = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def parse_policy(data: Any, source: str = "<policy>") -> PolicyConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: the policy must be a YAML mapping, not {type(data).__name__}")
+    try:
+        return PolicyConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise PolicyError(f"{source}: invalid policy: {problems}") from None
+
+
+def load_policy(path: str | Path | None = None) -> PolicyConfig:
+    """Loads `path`, or the shipped default policy when `path` is None."""
+    path = Path(path) if path is not None else DEFAULT_POLICY_PATH
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read the policy file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise PolicyError(f"{path}{where}: the policy is not valid YAML: {exc}") from None
+    return parse_policy(data, str(path))

@@ -1,0 +1,153 @@
+"""The policy engine: which rules run on which object, in CI (manifests) and in admission.
+
+Validation and defaulting are separate steps, as in controller-runtime: `default` returns the mutations
+(each a finding with a JSON patch), `validate` the findings that allow, warn about or deny the object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from . import rules
+from .config import PolicyConfig
+from .findings import Finding, pointer
+from .model import as_dict, as_str, is_claim, is_known, kind_of, metadata, pod_claims, pod_spec
+from .rules import Violation
+
+Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
+
+__all__ = ["Admission", "Finding", "default", "is_known", "shared_claims", "validate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What an admission request adds to the object: who, which operation, the old object, the options."""
+
+    operation: Operation
+    username: str = ""
+    groups: tuple[str, ...] = ()
+    old_object: Mapping[str, Any] | None = None
+    options: Mapping[str, Any] | None = None
+    dry_run: bool = False
+
+
+def _findings(policy: PolicyConfig, rule_id: str, violations: Iterable[Violation]) -> list[Finding]:
+    action = policy.action(rule_id)
+    if action == "off":
+        return []
+    return [Finding(rule_id, action, message, path, patch) for message, path, patch in violations]
+
+
+def _enabled(policy: PolicyConfig, rule_id: str) -> bool:
+    return policy.action(rule_id) != "off"
+
+
+def validate(
+    obj: Mapping[str, Any] | None,
+    policy: PolicyConfig,
+    *,
+    trusted: bool,
+    admission: Admission | None = None,
+) -> list[Finding]:
+    """Findings for `obj`. Without `admission` the object is a manifest (CI): an absent grace period and a
+    missing finalizer are reported, since nothing will default them."""
+    if admission is not None and admission.operation == "DELETE":
+        old = admission.old_object
+        if not isinstance(old, dict) or kind_of(old) != ("v1", "Pod") or not _enabled(policy, "SG008"):
+            return []
+        return _findings(policy, "SG008", rules.force_delete(old, admission.options, admission.groups, policy))
+    if not isinstance(obj, dict) or not is_known(obj):
+        return []
+    found: list[Finding] = []
+    if is_claim(obj):
+        requests = rules.gpu_requests(obj, policy)
+        if requests:
+            if not trusted:
+                found += _findings(policy, "SG001", rules.retain_deallocation(obj))
+                found += _findings(policy, "SG006", rules.admin_access(requests))
+            found += _findings(policy, "SG005", rules.fence_toleration(obj, requests))
+            if admission is None and kind_of(obj)[1] == "ResourceClaim":
+                found += _findings(policy, "SG004", rules.claim_finalizer(obj))
+        if admission is not None and admission.operation == "UPDATE" and kind_of(obj)[1] == "ResourceClaim":
+            old = admission.old_object
+            if isinstance(old, dict) and _enabled(policy, "SG007"):
+                violations, break_glass = rules.finalizer_guard(obj, old, admission.username, admission.groups, policy)
+                found += _findings(policy, "SG007", violations)
+                # Break-glass is allowed, and always recorded, whatever the rule's action.
+                found += [Finding("SG007", "audit", message, path) for message, path, _ in break_glass]
+        return found
+    ref = pod_spec(obj)
+    if ref is None:
+        return found
+    is_pod = kind_of(obj)[1] == "Pod"
+    if not (is_pod and trusted):
+        found += _findings(policy, "SG002", rules.shared_claim(ref, is_pod))
+    found += _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=admission is None))
+    found += _findings(policy, "SG005", rules.pod_fence_toleration(ref))
+    return found
+
+
+def default(obj: Mapping[str, Any] | None, policy: PolicyConfig, operation: Operation = "CREATE") -> list[Finding]:
+    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004)
+    and the default grace period where a pod spec with DRA claims has none (SG003). Only on CREATE: on
+    UPDATE the agent's own removal of the finalizer must not be undone."""
+    if operation != "CREATE" or not isinstance(obj, dict) or not is_known(obj):
+        return []
+    if is_claim(obj):
+        if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
+            return []
+        return _findings(policy, "SG004", rules.claim_finalizer(obj))
+    ref = pod_spec(obj)
+    if ref is None or "terminationGracePeriodSeconds" in ref.spec:
+        return []
+    return _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=True))
+
+
+def shared_claims(
+    objects: Iterable[tuple[Any, Mapping[str, Any], bool]], policy: PolicyConfig
+) -> list[tuple[Any, Finding]]:
+    """SG002 across the documents of one CI run: two pods in a trusted namespace naming the same claim.
+    (Workloads and multi-tenant pods that name a claim are already reported one by one.)
+
+    `objects` are (key, object, trusted) triples; returns (key, finding) pairs."""
+    if not _enabled(policy, "SG002"):
+        return []
+    users: dict[tuple[str, str], list[tuple[Any, str, str]]] = {}
+    for key, obj, trusted in objects:
+        if not trusted or kind_of(obj) != ("v1", "Pod"):
+            continue
+        ref = pod_spec(obj)
+        if ref is None:
+            continue
+        meta = metadata(obj)
+        for claim in pod_claims(ref):
+            if claim.claim_name:
+                users.setdefault((as_str(meta.get("namespace")), claim.claim_name), []).append(
+                    (key, as_str(meta.get("name")) or "<unnamed>", pointer(*claim.claim_name_path))
+                )
+    out = []
+    for (namespace, claim_name), holders in users.items():
+        if len({name for _, name, _ in holders}) < 2:
+            continue
+        for key, name, path in holders:
+            others = ", ".join(sorted({other for _, other, _ in holders if other != name}))
+            message = (
+                f"ResourceClaim {claim_name!r} in namespace {namespace or '(default)'} is also named by pod(s) "
+                f"{others}: give each pod its own claim through resourceClaimTemplateName"
+            )
+            out += [(key, f) for f in _findings(policy, "SG002", [(message, path, ())])]
+    return out
+
+
+def object_ref(obj: Mapping[str, Any]) -> dict[str, str]:
+    """apiVersion, kind, namespace, name of an object, for reports."""
+    api_version, kind = kind_of(as_dict(obj))
+    meta = metadata(as_dict(obj))
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "namespace": as_str(meta.get("namespace")),
+        "name": as_str(meta.get("name")) or as_str(meta.get("generateName")),
+    }

@@ -1,0 +1,41 @@
+"""The one spelling of every name scrubgate shares with the cluster (DESIGN.md, "Names")."""
+
+from typing import Final
+
+DOMAIN: Final = "scrubgate.dev"
+
+FINALIZER: Final = "scrubgate.dev/sanitize"
+ANNOTATION_DEALLOCATION_POLICY: Final = "scrubgate.dev/deallocation-policy"
+ANNOTATION_DEVICES: Final = "scrubgate.dev/devices"
+ANNOTATION_SCRUB_STATUS: Final = "scrubgate.dev/scrub-status"
+ANNOTATION_ATTESTATION: Final = "scrubgate.dev/attestation"
+ANNOTATION_BREAK_GLASS: Final = "scrubgate.dev/break-glass"
+TENANCY_LABEL: Final = "scrubgate.dev/tenancy"
+TENANCY_TRUSTED: Final = "trusted"
+
+TAINT_UNSANITIZED: Final = "scrubgate.dev/unsanitized"
+TAINT_SCRUB_FAILED: Final = "scrubgate.dev/scrub-failed"
+
+DEALLOCATION_DELETE: Final = "Delete"
+DEALLOCATION_RETAIN: Final = "Retain"
+
+SYSTEM_NAMESPACE: Final = "scrubgate-system"
+WEBHOOK_SERVICE_ACCOUNT: Final = "scrubgate-webhook"
+AGENT_SERVICE_ACCOUNT: Final = "scrubgate-agent"
+WEBHOOK_SERVICE: Final = "scrubgate-webhook"
+
+# Kubernetes' own names that the rules and the agent read.
+RESOURCE_GROUP: Final = "resource.k8s.io"
+RESOURCE_VERSIONS: Final = ("v1", "v1beta2", "v1beta1", "v1alpha3")
+POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
+DELETE_PROTECTION_FINALIZER: Final = "resource.kubernetes.io/delete-protection"
+
+# Scrub states written to ANNOTATION_SCRUB_STATUS; failures are "failed:<reason>".
+SCRUB_FENCED: Final = "fenced"
+SCRUB_DRAINING: Final = "draining"
+SCRUB_SCRUBBING: Final = "scrubbing"
+SCRUB_VERIFIED: Final = "verified"
+SCRUB_FAILED_PREFIX: Final = "failed:"
+
+ATTESTATION_TYPE: Final = "scrubgate-attestation+jws"
+ATTESTATION_METHOD: Final = "cuda-memset-verify"

@@ -1,0 +1,292 @@
+"""The rules SG001-SG008 (DESIGN.md, "Rules") as pure functions.
+
+Each rule takes the object and what it needs to know, and returns `(message, path, patch)` violations;
+the engine turns them into findings with the action the policy gives the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import names
+from .attestation import AttestationError, check_claim_attestation, claimed_devices
+from .config import PolicyConfig
+from .findings import pointer
+from .model import (
+    DeviceRequest,
+    PodSpecRef,
+    annotations,
+    as_dict,
+    as_list,
+    as_str,
+    device_requests,
+    metadata,
+    pod_claims,
+)
+
+Violation = tuple[str, str, tuple[dict[str, Any], ...]]
+
+AGENT_ANNOTATIONS = (names.ANNOTATION_DEVICES, names.ANNOTATION_SCRUB_STATUS, names.ANNOTATION_ATTESTATION)
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+def gpu_requests(obj: dict[str, Any], policy: PolicyConfig) -> list[DeviceRequest]:
+    """Requests that may be satisfied by a GPU class: the claim is in scope if there is any."""
+    return [r for r in device_requests(obj) if any(policy.is_gpu_class(c) for c in r.device_classes())]
+
+
+def retain_deallocation(obj: dict[str, Any]) -> list[Violation]:
+    """SG001, for an in-scope claim or template in a multi-tenant namespace."""
+    places = [("metadata",)]
+    if as_str(obj.get("kind")) == "ResourceClaimTemplate":
+        places.append(("spec", "metadata"))
+    found = []
+    for place in places:
+        node: Any = obj
+        for key in place:
+            node = as_dict(node).get(key)
+        value = as_dict(as_dict(node).get("annotations")).get(names.ANNOTATION_DEALLOCATION_POLICY)
+        if value is None or value == names.DEALLOCATION_DELETE:
+            continue
+        path = pointer(*place, "annotations", names.ANNOTATION_DEALLOCATION_POLICY)
+        what = "Retain" if value == names.DEALLOCATION_RETAIN else f"{value!r}, which is not Delete or Retain,"
+        found.append(
+            (
+                f"{names.ANNOTATION_DEALLOCATION_POLICY} is {what} in a multi-tenant namespace: set it to "
+                f"Delete, or label the namespace {names.TENANCY_LABEL}={names.TENANCY_TRUSTED} if one tenant owns it",
+                path,
+                ({"op": "replace", "path": path, "value": names.DEALLOCATION_DELETE},),
+            )
+        )
+    return found
+
+
+def shared_claim(ref: PodSpecRef, is_pod: bool) -> list[Violation]:
+    """SG002, for a workload's pod template, or a pod in a multi-tenant namespace."""
+    holder = "pod" if is_pod else "pod template"
+    return [
+        (
+            f"{holder} names ResourceClaim {claim.claim_name!r} in resourceClaims[{claim.name or '?'}]: use "
+            f"resourceClaimTemplateName so each pod gets its own claim, scrubbed when the pod ends",
+            pointer(*claim.claim_name_path),
+            (),
+        )
+        for claim in pod_claims(ref)
+        if claim.claim_name
+    ]
+
+
+def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[Violation]:
+    """SG003, for a pod spec with DRA claims. Absence counts only in manifests: the API server defaults the
+    field before admission."""
+    if not as_list(ref.spec.get("resourceClaims")):
+        return []
+    limits = policy.grace_period
+    path = pointer(*ref.path, "terminationGracePeriodSeconds")
+    if "terminationGracePeriodSeconds" not in ref.spec:
+        if not manifest:
+            return []
+        return [
+            (
+                f"pod spec with DRA claims has no terminationGracePeriodSeconds: set it (default "
+                f"{limits.default_seconds}s) so the driver can unprepare the device before the pod ends",
+                path,
+                ({"op": "add", "path": path, "value": limits.default_seconds},),
+            )
+        ]
+    value = ref.spec["terminationGracePeriodSeconds"]
+    if not isinstance(value, int) or isinstance(value, bool):
+        return [(f"terminationGracePeriodSeconds must be an integer number of seconds, not {value!r}", path, ())]
+    if value < limits.minimum_seconds:
+        return [
+            (
+                f"terminationGracePeriodSeconds is {value}s, below the minimum of {limits.minimum_seconds}s "
+                f"for pods with DRA claims: raise it to at least {limits.minimum_seconds}",
+                path,
+                (),
+            )
+        ]
+    if value > limits.maximum_seconds:
+        return [
+            (
+                f"terminationGracePeriodSeconds is {value}s, above the maximum of {limits.maximum_seconds}s: "
+                f"lower it so a released device is not held dirty for longer",
+                path,
+                (),
+            )
+        ]
+    return []
+
+
+def claim_finalizer(obj: dict[str, Any]) -> list[Violation]:
+    """SG004, for an in-scope ResourceClaim. The patch adds to the user's finalizers, never replaces them."""
+    meta = obj.get("metadata")
+    finalizers = as_dict(meta).get("finalizers")
+    if isinstance(finalizers, list) and names.FINALIZER in finalizers:
+        return []
+    if not isinstance(meta, dict):
+        op = {"op": "add", "path": "/metadata", "value": {"finalizers": [names.FINALIZER]}}
+    elif not isinstance(finalizers, list):
+        op = {"op": "add", "path": "/metadata/finalizers", "value": [names.FINALIZER]}
+    else:
+        op = {"op": "add", "path": "/metadata/finalizers/-", "value": names.FINALIZER}
+    return [
+        (
+            f"GPU ResourceClaim lacks the {names.FINALIZER} finalizer: add it so the claim stays until the "
+            f"node agent attests the scrub",
+            "/metadata/finalizers",
+            (op,),
+        )
+    ]
+
+
+def _tolerates_fence(toleration: Any, keyless_exists: bool) -> bool:
+    toleration = as_dict(toleration)
+    key = as_str(toleration.get("key"))
+    if key.startswith(names.DOMAIN + "/"):
+        return True
+    return keyless_exists and not key and toleration.get("operator") == "Exists"
+
+
+def fence_toleration(obj: dict[str, Any], requests: list[DeviceRequest]) -> list[Violation]:
+    """SG005: a device request that tolerates the fence (or every taint) can be allocated a dirty device."""
+    found = []
+    for request in requests:
+        for choice in request.choices:
+            for index, toleration in enumerate(as_list(choice.fields.get("tolerations"))):
+                if _tolerates_fence(toleration, keyless_exists=True):
+                    key = as_str(as_dict(toleration).get("key")) or "every taint (operator: Exists, no key)"
+                    found.append(
+                        (
+                            f"device request {request.name!r} tolerates {key}: remove the toleration; scrubgate's "
+                            f"fence keeps devices that may hold another tenant's data from being allocated",
+                            pointer(*choice.path, "tolerations", index),
+                            (),
+                        )
+                    )
+    return found
+
+
+def pod_fence_toleration(ref: PodSpecRef) -> list[Violation]:
+    """SG005 for pods: where no DeviceTaintRule API is served the agent fences with a node taint, which a pod
+    toleration of a scrubgate.dev/ key would defeat. Key-less tolerations are left alone here: system
+    DaemonSets use them, and they reach no device without a claim."""
+    return [
+        (
+            f"pod tolerates the node taint {as_str(as_dict(t).get('key'))}: remove the toleration; it defeats "
+            f"scrubgate's fence on nodes without DeviceTaintRule support",
+            pointer(*ref.path, "tolerations", index),
+            (),
+        )
+        for index, t in enumerate(as_list(ref.spec.get("tolerations")))
+        if _tolerates_fence(t, keyless_exists=False)
+    ]
+
+
+def admin_access(requests: list[DeviceRequest]) -> list[Violation]:
+    """SG006, in a multi-tenant namespace: admin access reaches devices that other claims hold."""
+    return [
+        (
+            f"device request {request.name!r} asks for adminAccess in a multi-tenant namespace: remove "
+            f"adminAccess, or run it in a namespace labelled {names.TENANCY_LABEL}={names.TENANCY_TRUSTED}",
+            pointer(*choice.path, "adminAccess"),
+            (),
+        )
+        for request in requests
+        for choice in request.choices
+        if choice.fields.get("adminAccess") is True
+    ]
+
+
+def finalizer_guard(
+    obj: dict[str, Any], old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+) -> tuple[list[Violation], list[Violation]]:
+    """SG007 on an UPDATE of a ResourceClaim. Returns (violations, break-glass removals to audit)."""
+    is_agent = username in policy.agent.identities
+    is_admin = any(group in policy.admin_groups for group in groups)
+    old_annotations, new_annotations = annotations(old), annotations(obj)
+    violations: list[Violation] = []
+    changed = [k for k in AGENT_ANNOTATIONS if old_annotations.get(k) != new_annotations.get(k)]
+    if changed and not is_agent:
+        violations.append(
+            (
+                f"user {username!r} changed {', '.join(changed)}: only the scrubgate node agent writes these "
+                f"annotations; revert the change",
+                pointer("metadata", "annotations", changed[0]),
+                (),
+            )
+        )
+    if old_annotations.get(names.ANNOTATION_BREAK_GLASS) != new_annotations.get(names.ANNOTATION_BREAK_GLASS) and not (
+        is_admin
+    ):
+        violations.append(
+            (
+                f"user {username!r} changed {names.ANNOTATION_BREAK_GLASS}: only members of the policy's admin "
+                f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may",
+                pointer("metadata", "annotations", names.ANNOTATION_BREAK_GLASS),
+                (),
+            )
+        )
+    old_finalizers = as_list(metadata(old).get("finalizers"))
+    new_finalizers = as_list(metadata(obj).get("finalizers"))
+    if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
+        return violations, []
+    path = "/metadata/finalizers"
+    reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()
+    if is_agent:
+        token = new_annotations.get(names.ANNOTATION_ATTESTATION)
+        if not isinstance(token, str) or not token:
+            violations.append(
+                (f"{names.FINALIZER} removed without a {names.ANNOTATION_ATTESTATION} annotation", path, ())
+            )
+            return violations, []
+        try:
+            required = claimed_devices(old) | claimed_devices(obj)
+            check_claim_attestation(token, obj, policy.public_keys, required)
+        except AttestationError as exc:
+            violations.append((f"{names.FINALIZER} removed with an attestation that does not hold: {exc}", path, ()))
+        return violations, []
+    if is_admin and reason:
+        return violations, [(f"break-glass removal of {names.FINALIZER} by {username!r}: {reason}", path, ())]
+    violations.append(
+        (
+            f"user {username!r} removed the {names.FINALIZER} finalizer: only the scrubgate node agent removes it "
+            f"after a verified scrub (an admin may set {names.ANNOTATION_BREAK_GLASS}: <reason> first)",
+            path,
+            (),
+        )
+    )
+    return violations, []
+
+
+def _pod_done(pod: dict[str, Any]) -> bool:
+    """A pod whose containers are gone or never ran: its final deletion (the kubelet deletes with grace 0
+    after the containers stopped) skips no teardown."""
+    spec, status = as_dict(pod.get("spec")), as_dict(pod.get("status"))
+    if not spec.get("nodeName") or status.get("phase") in TERMINAL_PHASES:
+        return True
+    if not metadata(pod).get("deletionTimestamp"):
+        return False
+    statuses = [as_dict(s) for key in ("initContainerStatuses", "containerStatuses") for s in as_list(status.get(key))]
+    return bool(statuses) and all("terminated" in as_dict(s.get("state")) for s in statuses)
+
+
+def force_delete(
+    pod: dict[str, Any], options: Mapping[str, Any] | None, groups: tuple[str, ...], policy: PolicyConfig
+) -> list[Violation]:
+    """SG008 on a DELETE of a pod with DRA claims."""
+    ref_claims = as_list(as_dict(pod.get("spec")).get("resourceClaims"))
+    grace = as_dict(options).get("gracePeriodSeconds")
+    if not ref_claims or grace != 0 or _pod_done(pod):
+        return []
+    if any(group in policy.admin_groups for group in groups):
+        return []
+    return [
+        (
+            "pod with DRA claims deleted with grace period 0 (force): delete it without --force --grace-period=0 "
+            "so its devices are unprepared and scrubbed; only the policy's admin groups may force-delete",
+            "/spec/resourceClaims",
+            (),
+        )
+    ]

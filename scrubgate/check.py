@@ -1,0 +1,84 @@
+"""`scrubgate check`: the policy core over manifests, as a CI step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from scrubgate.policies.config import PolicyConfig
+from scrubgate.policies.engine import Finding, shared_claims, validate
+from scrubgate.policies.model import as_dict, as_str, kind_of
+
+from .sources import Document, InputError, display_name, expand_paths, read_documents, read_text
+
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(slots=True)
+class CheckedObject:
+    document: Document
+    findings: list[Finding]
+
+
+@dataclass(slots=True)
+class CheckResult:
+    files: int = 0
+    objects: list[CheckedObject] = field(default_factory=list)
+    errors: list[InputError] = field(default_factory=list)
+
+    def count(self, action: str) -> int:
+        return sum(1 for o in self.objects for f in o.findings if f.action == action)
+
+    @property
+    def exit_code(self) -> int:
+        """0: no deny finding; 1: a deny finding; 2: some input could not be read."""
+        if self.errors:
+            return 2
+        return 1 if self.count("deny") else 0
+
+
+def namespace_of(obj: Mapping[str, object]) -> str:
+    return as_str(as_dict(obj.get("metadata")).get("namespace")) or DEFAULT_NAMESPACE
+
+
+def trusted_namespaces(documents: list[Document], policy: PolicyConfig, overrides: Mapping[str, bool]) -> set[str]:
+    """Policy's trusted namespaces, plus Namespace documents labelled trusted, then the command line's say."""
+    trusted = set(policy.tenancy.trusted_namespaces)
+    for doc in documents:
+        if kind_of(doc.obj) == ("v1", "Namespace"):
+            meta = as_dict(doc.obj.get("metadata"))
+            if as_dict(meta.get("labels")).get(policy.tenancy.label) == policy.tenancy.trusted_value:
+                trusted.add(as_str(meta.get("name")))
+    for namespace, is_trusted in overrides.items():
+        (trusted.add if is_trusted else trusted.discard)(namespace)
+    return trusted
+
+
+def check_documents(
+    documents: list[Document], policy: PolicyConfig, overrides: Mapping[str, bool] | None = None
+) -> list[CheckedObject]:
+    trusted = trusted_namespaces(documents, policy, overrides or {})
+    checked = []
+    for doc in documents:
+        checked.append(CheckedObject(doc, validate(doc.obj, policy, trusted=namespace_of(doc.obj) in trusted)))
+    keyed = ((i, c.document.obj, namespace_of(c.document.obj) in trusted) for i, c in enumerate(checked))
+    for index, finding in shared_claims(keyed, policy):
+        checked[index].findings.append(finding)
+    return checked
+
+
+def run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None = None) -> CheckResult:
+    result = CheckResult()
+    files, result.errors = expand_paths(paths)
+    documents: list[Document] = []
+    for file in files:
+        text = read_text(file)
+        result.files += 1
+        if isinstance(text, InputError):
+            result.errors.append(text)
+            continue
+        docs, errors = read_documents(display_name(file), text)
+        documents += docs
+        result.errors += errors
+    result.objects = check_documents(documents, policy, overrides)
+    return result

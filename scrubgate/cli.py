@@ -1,0 +1,132 @@
+"""The `scrubgate` command: check (CI), webhook, agent, certs, audit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+
+FORMATS = ("text", "json", "sarif", "junit")
+
+
+def _tenancy(value: str) -> tuple[str, bool]:
+    namespace, sep, tenancy = value.partition("=")
+    if not sep or not namespace or tenancy not in ("trusted", "multi-tenant"):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAMESPACE=trusted or NAMESPACE=multi-tenant")
+    return namespace, tenancy == "trusted"
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="check manifests against the policy (CI dry-run)",
+        description="Check Kubernetes manifests against scrubgate's rules. Exit 0: no deny finding; "
+        "1: a deny finding; 2: unreadable input or bad usage.",
+    )
+    p.add_argument("paths", nargs="*", default=["-"], metavar="PATH", help="files, directories, or - for stdin")
+    p.add_argument("--policy", help="policy file (default: the shipped policies/default.yaml)")
+    p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument("--fix", action="store_true", help="print the documents with the mechanical fixes applied")
+    p.add_argument("--in-place", action="store_true", help="with --fix: rewrite the files instead of printing")
+    p.add_argument(
+        "--namespace-tenancy",
+        action="append",
+        type=_tenancy,
+        default=[],
+        metavar="NS=trusted",
+        help="treat a namespace as trusted (single-tenant) or multi-tenant; repeatable",
+    )
+    p.set_defaults(handler=run_check_command)
+
+
+def run_check_command(args: argparse.Namespace) -> int:
+    from scrubgate.policies.config import PolicyError, load_policy
+
+    from .check import run_check
+    from .report import build_report, render_json, render_junit, render_sarif, render_text
+
+    if args.in_place and not args.fix:
+        print("scrubgate check: --in-place needs --fix", file=sys.stderr)
+        return 2
+    if args.in_place and "-" in args.paths:
+        print("scrubgate check: --fix --in-place cannot rewrite stdin; drop --in-place", file=sys.stderr)
+        return 2
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(f"scrubgate check: {exc}", file=sys.stderr)
+        return 2
+    result = run_check(args.paths, policy, dict(args.namespace_tenancy))
+    report = build_report(result)
+    out = sys.stdout
+    if args.fix:
+        from .fix import fix_all
+
+        stream, fixed = fix_all(result.objects, in_place=args.in_place)
+        # The patched documents own stdout; the report goes to stderr so that `--fix > fixed.yaml` works.
+        out = sys.stderr
+        if not args.in_place:
+            sys.stdout.write(stream)
+        for checked in result.objects:
+            checked.findings = [f for f in checked.findings if not f.patch]
+        print(f"scrubgate check: fixed {fixed} finding(s)", file=sys.stderr)
+        report = build_report(result)
+    if args.format == "json":
+        rendered = render_json(report)
+    elif args.format == "sarif":
+        rendered = render_sarif(report)
+    elif args.format == "junit":
+        rendered = render_junit(result, report)
+    else:
+        color = out.isatty() and "NO_COLOR" not in os.environ
+        rendered = render_text(report, color)
+    print(rendered, file=out)
+    return result.exit_code
+
+
+def _add_component(sub: argparse._SubParsersAction, name: str, help_text: str, module: str, add: str, run: str) -> None:
+    """Subcommands whose code lives in another package; only their argument definitions load at startup."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help_text)
+    getattr(mod, add)(p)
+    runner: Callable[[argparse.Namespace], int] = getattr(mod, run)
+    p.set_defaults(handler=runner)
+
+
+COMPONENTS = (
+    ("webhook", "run the admission webhook server", "scrubgate.webhook.cli", "add_arguments", "run"),
+    ("agent", "run or inspect the node agent", "scrubgate.sanitizer_agent.cli", "add_arguments", "run"),
+    ("certs", "generate the webhook's CA and serving certificate", "scrubgate.certs.cli", "add_arguments", "run"),
+    ("audit", "verify the audit log's hash chain", "scrubgate.webhook.cli", "add_audit_arguments", "run_audit"),
+)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scrubgate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"scrubgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_check(sub)
+    # Load only the component named on the command line (all of them for --help), so `check` starts fast.
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_text, module, add, run in COMPONENTS:
+        if wanted in (None, name) or wanted not in {c[0] for c in COMPONENTS} | {"check"}:
+            try:
+                _add_component(sub, name, help_text, module, add, run)
+            except ImportError:
+                continue
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""What `scrubgate check` prints: the JSON contract of DESIGN.md as pydantic models, and the text, SARIF
+2.1.0 and JUnit renderings of the same report."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from xml.etree import ElementTree
+
+from pydantic import BaseModel
+
+from scrubgate.policies.engine import object_ref
+from scrubgate.policies.rules_meta import RULES
+
+from . import __version__
+from .check import CheckResult
+
+INFORMATION_URI = "https://github.com/scrubgate/scrubgate"
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+SARIF_LEVEL = {"deny": "error", "warn": "warning", "audit": "note", "off": "none"}
+
+
+class RuleRef(BaseModel):
+    id: str
+    name: str
+
+
+class ObjectRef(BaseModel):
+    apiVersion: str
+    kind: str
+    namespace: str
+    name: str
+
+
+class Location(BaseModel):
+    file: str
+    line: int
+    document: int
+
+
+class FindingOut(BaseModel):
+    rule: RuleRef
+    action: str
+    message: str
+    object: ObjectRef
+    location: Location
+    patch: list[dict[str, Any]]
+
+
+class ErrorOut(BaseModel):
+    file: str
+    line: int | None
+    message: str
+
+
+class Summary(BaseModel):
+    files: int
+    documents: int
+    deny: int
+    warn: int
+    audit: int
+
+
+class Report(BaseModel):
+    version: int = 1
+    findings: list[FindingOut]
+    errors: list[ErrorOut]
+    summary: Summary
+
+
+def build_report(result: CheckResult) -> Report:
+    findings = [
+        FindingOut(
+            rule=RuleRef(id=f.rule, name=f.name),
+            action=f.action,
+            message=f.message,
+            object=ObjectRef(**object_ref(checked.document.obj)),
+            location=Location(
+                file=checked.document.file, line=checked.document.line_of(f.path), document=checked.document.index
+            ),
+            patch=[dict(op) for op in f.patch],
+        )
+        for checked in result.objects
+        for f in checked.findings
+    ]
+    return Report(
+        findings=findings,
+        errors=[ErrorOut(file=e.file, line=e.line, message=e.message) for e in result.errors],
+        summary=Summary(
+            files=result.files,
+            documents=len(result.objects),
+            deny=result.count("deny"),
+            warn=result.count("warn"),
+            audit=result.count("audit"),
+        ),
+    )
+
+
+def render_json(report: Report) -> str:
+    return report.model_dump_json(indent=2)
+
+
+_COLORS = {"deny": "\033[31m", "warn": "\033[33m", "audit": "\033[36m", "error": "\033[35m"}
+_BOLD, _RESET = "\033[1m", "\033[0m"
+
+
+def _describe(obj: ObjectRef) -> str:
+    where = f"{obj.namespace}/" if obj.namespace else ""
+    return f"{obj.kind or '?'} {where}{obj.name or '<unnamed>'}"
+
+
+def render_text(report: Report, color: bool) -> str:
+    def paint(text: str, key: str) -> str:
+        return f"{_COLORS[key]}{text}{_RESET}" if color else text
+
+    by_file: dict[str, list[str]] = {}
+    for e in report.errors:
+        where = f"{e.line}" if e.line else "-"
+        by_file.setdefault(e.file, []).append(f"  {where:>5}  {paint('error', 'error'):<5}  {e.message}")
+    for f in report.findings:
+        by_file.setdefault(f.location.file, []).append(
+            f"  {f.location.line:>5}  {paint(f.action, f.action)}{' ' * (5 - len(f.action))}  "
+            f"{f.rule.id} {f.rule.name}  {_describe(f.object)}: {f.message}"
+        )
+    lines = []
+    for file, entries in by_file.items():
+        lines.append(f"{_BOLD}{file}{_RESET}" if color else file)
+        lines += entries
+        lines.append("")
+    s = report.summary
+    lines.append(
+        f"{s.files} file(s), {s.documents} object(s) checked: {s.deny} deny, {s.warn} warn, {s.audit} audit, "
+        f"{len(report.errors)} input error(s)"
+    )
+    return "\n".join(lines)
+
+
+def render_sarif(report: Report) -> str:
+    rule_ids = list(RULES)
+    rules = [
+        {
+            "id": meta.id,
+            "name": meta.name,
+            "shortDescription": {"text": meta.summary},
+            "fullDescription": {"text": meta.help},
+            "help": {"text": meta.help},
+            "defaultConfiguration": {"level": SARIF_LEVEL[meta.default_action]},
+            "properties": {"tags": ["security", "kubernetes", "dra", "gpu"]},
+        }
+        for meta in RULES.values()
+    ]
+    results = [
+        {
+            "ruleId": f.rule.id,
+            "ruleIndex": rule_ids.index(f.rule.id),
+            "level": SARIF_LEVEL[f.action],
+            "message": {"text": f"{_describe(f.object)}: {f.message}"},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": f.location.file},
+                        "region": {"startLine": f.location.line},
+                    }
+                }
+            ],
+            "properties": {"action": f.action, "document": f.location.document},
+        }
+        for f in report.findings
+    ]
+    notifications = [
+        {
+            "level": "error",
+            "message": {"text": e.message},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": e.file},
+                        **({"region": {"startLine": e.line}} if e.line else {}),
+                    }
+                }
+            ],
+        }
+        for e in report.errors
+    ]
+    log = {
+        "$schema": SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "scrubgate",
+                        "version": __version__,
+                        "informationUri": INFORMATION_URI,
+                        "rules": rules,
+                    }
+                },
+                "invocations": [
+                    {"executionSuccessful": not report.errors, "toolExecutionNotifications": notifications}
+                ],
+                "results": results,
+            }
+        ],
+    }
+    return json.dumps(log, indent=2)
+
+
+def render_junit(result: CheckResult, report: Report) -> str:
+    """One testcase per checked object (failed by its deny findings), one errored testcase per input error."""
+    suite = ElementTree.Element("testsuite", name="scrubgate check")
+    findings = iter(report.findings)
+    failures = errors = 0
+    for checked in result.objects:
+        doc, ref = checked.document, object_ref(checked.document.obj)
+        case = ElementTree.SubElement(
+            suite,
+            "testcase",
+            classname=doc.file,
+            name=f"{ref['kind'] or '?'} {ref['namespace'] + '/' if ref['namespace'] else ''}{ref['name'] or '<unnamed>'}"
+            f" (document {doc.index})",
+        )
+        mine = [next(findings) for _ in checked.findings]
+        denied = [f for f in mine if f.action == "deny"]
+        if denied:
+            failures += 1
+            failure = ElementTree.SubElement(
+                case, "failure", message="; ".join(f"{f.rule.id} {f.message}" for f in denied), type="deny"
+            )
+            failure.text = "\n".join(f"{f.location.file}:{f.location.line}: {f.rule.id} {f.message}" for f in denied)
+        others = [f for f in mine if f.action != "deny"]
+        if others:
+            out = ElementTree.SubElement(case, "system-out")
+            out.text = "\n".join(
+                f"{f.action}: {f.location.file}:{f.location.line}: {f.rule.id} {f.message}" for f in others
+            )
+    for e in report.errors:
+        errors += 1
+        case = ElementTree.SubElement(suite, "testcase", classname=e.file, name=f"read {e.file}")
+        ElementTree.SubElement(
+            case, "error", message=e.message, type="input"
+        ).text = f"{e.file}:{e.line or '-'}: {e.message}"
+    suite.set("tests", str(len(result.objects) + len(report.errors)))
+    suite.set("failures", str(failures))
+    suite.set("errors", str(errors))
+    ElementTree.indent(suite)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ElementTree.tostring(suite, encoding="unicode")
