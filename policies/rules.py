@@ -171,7 +171,10 @@ def fence_toleration(obj: dict[str, Any], requests: list[DeviceRequest]) -> list
 def pod_fence_toleration(ref: PodSpecRef) -> list[Violation]:
     """SG005 for pods: where no DeviceTaintRule API is served the agent fences with a node taint, which a pod
     toleration of a scrubgate.dev/ key would defeat. Key-less tolerations are left alone here: system
-    DaemonSets use them, and they reach no device without a claim."""
+    DaemonSets use them, and they reach no device without a claim. A pod without DRA claims (the agent
+    itself) gets no DRA device, so its tolerations are none of this rule's business."""
+    if not as_list(ref.spec.get("resourceClaims")):
+        return []
     return [
         (
             f"pod tolerates the node taint {as_str(as_dict(t).get('key'))}: remove the toleration; it defeats "

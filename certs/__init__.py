@@ -1,0 +1,1 @@
+"""The webhook's TLS material: CA and serving certificate generation, caBundle injection."""

@@ -1,0 +1,489 @@
+"""The kustomize base in manifests/: renders, validates against Kubernetes >= 1.34, and says what it must."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import ValidationError, latest_version
+from scrubgate.certs import generate as gen
+from scrubgate.certs import layout
+from scrubgate.certs.inject import count_webhooks, inject_yaml_text
+from scrubgate.policies import names
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+COMPONENT = MANIFESTS / "components" / "cert-manager"
+IMAGE = "ghcr.io/scrubgate/scrubgate:0.1.0"
+SYSTEM_NAMESPACES = {"kube-system", names.SYSTEM_NAMESPACE}
+K8S_VERSIONS = ["1.34", latest_version()]
+
+Doc = dict[str, Any]
+
+
+def kustomize(directory: Path) -> list[Doc]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize base (install kubectl >= 1.27)")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[Doc]:
+    return kustomize(MANIFESTS)
+
+
+def one(docs: list[Doc], kind: str, name: str | None = None) -> Doc:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def webhooks(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
+    for doc in docs:
+        if doc["kind"] in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+            for webhook in doc["webhooks"]:
+                yield doc["kind"], webhook
+
+
+def by_name(docs: list[Doc]) -> dict[str, Doc]:
+    return {w["name"]: w for _, w in webhooks(docs)}
+
+
+# --- schema ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_validates_strictly(docs: list[Doc], version: str):
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # raises, naming the field
+
+
+def test_strict_validation_catches_an_unknown_field(docs: list[Doc]):
+    broken = copy.deepcopy(one(docs, "Deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(ValidationError):
+        kubernetes_validate.validate(broken, "1.34", strict=True)
+
+
+def test_rendered_objects(docs: list[Doc]):
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert ("Namespace", names.SYSTEM_NAMESPACE) in kinds
+    assert ("ServiceAccount", names.WEBHOOK_SERVICE_ACCOUNT) in kinds
+    assert ("ServiceAccount", names.AGENT_SERVICE_ACCOUNT) in kinds
+    assert "WebhookSettings" not in {k for k, _ in kinds}  # local-config source of the replacements
+    for doc in docs:
+        if doc["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"} and not doc[
+            "kind"
+        ].endswith("WebhookConfiguration"):
+            assert doc["metadata"]["namespace"] == names.SYSTEM_NAMESPACE, doc["metadata"]["name"]
+
+
+# --- webhook configurations -------------------------------------------------------------------------
+
+
+def test_tenancy_split_of_the_validating_webhooks(docs: list[Doc]):
+    hooks = one(docs, "ValidatingWebhookConfiguration", "scrubgate-validating")["webhooks"]
+    assert [w["name"] for w in hooks] == ["validate-multi-tenant.scrubgate.dev", "validate-trusted.scrubgate.dev"]
+    multi, trusted = hooks
+    tenancy = {"key": names.TENANCY_LABEL, "values": [names.TENANCY_TRUSTED]}
+    assert {**tenancy, "operator": "NotIn"} in multi["namespaceSelector"]["matchExpressions"]
+    assert {**tenancy, "operator": "In"} in trusted["namespaceSelector"]["matchExpressions"]
+    assert multi["clientConfig"]["service"]["path"] == "/validate"
+    assert trusted["clientConfig"]["service"]["path"] == "/validate/trusted"
+    # Both tenancies must see exactly the same requests, or one would slip past validation.
+    assert multi["rules"] == trusted["rules"]
+    assert multi["matchConditions"] == trusted["matchConditions"]
+
+
+def test_one_mutating_webhook(docs: list[Doc]):
+    (hook,) = one(docs, "MutatingWebhookConfiguration", "scrubgate-mutating")["webhooks"]
+    assert hook["name"] == "mutate.scrubgate.dev"
+    assert hook["clientConfig"]["service"]["path"] == "/mutate"
+    assert hook["reinvocationPolicy"] == "IfNeeded"
+    assert all(e["key"] != names.TENANCY_LABEL for e in hook["namespaceSelector"]["matchExpressions"])
+
+
+def test_every_webhook_fails_closed_and_is_bounded(docs: list[Doc]):
+    found = list(webhooks(docs))
+    assert len(found) == 3
+    for _, hook in found:
+        assert hook["failurePolicy"] == "Fail", hook["name"]
+        assert hook["sideEffects"] == "None"
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["timeoutSeconds"] == 5
+        assert hook["matchPolicy"] == "Equivalent"
+
+
+def test_system_namespaces_are_excluded_everywhere(docs: list[Doc]):
+    for _, hook in webhooks(docs):
+        expressions = hook["namespaceSelector"]["matchExpressions"]
+        assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn"}.items() <= expressions[0].items()
+        assert set(expressions[0]["values"]) == SYSTEM_NAMESPACES, hook["name"]
+
+
+def test_webhooks_call_the_service_which_reaches_the_container(docs: list[Doc]):
+    service = one(docs, "Service", names.WEBHOOK_SERVICE)
+    (port,) = service["spec"]["ports"]
+    for _, hook in webhooks(docs):
+        ref = hook["clientConfig"]["service"]
+        assert (ref["name"], ref["namespace"], ref["port"]) == (names.WEBHOOK_SERVICE, names.SYSTEM_NAMESPACE, 443)
+    container = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["containers"][0]
+    (container_port,) = container["ports"]
+    assert port["port"] == 443 and port["targetPort"] == container_port["name"]
+    assert container_port["containerPort"] == 8443
+    template_labels = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= template_labels.items()
+
+
+def covered(hook: Doc) -> set[tuple[str, str, str, str]]:
+    """(group, version, resource, operation) tuples a webhook's rules match."""
+    return {
+        (group, version, resource, op)
+        for rule in hook["rules"]
+        for group in rule["apiGroups"]
+        for version in rule["apiVersions"]
+        for resource in rule["resources"]
+        for op in rule["operations"]
+    }
+
+
+WORKLOADS = [
+    ("apps", "deployments"),
+    ("apps", "statefulsets"),
+    ("apps", "replicasets"),
+    ("apps", "daemonsets"),
+    ("batch", "jobs"),
+    ("batch", "cronjobs"),
+    ("", "replicationcontrollers"),
+    ("", "podtemplates"),
+]
+
+
+def test_validating_rules(docs: list[Doc]):
+    rules = covered(by_name(docs)["validate-multi-tenant.scrubgate.dev"])
+    for op in ("CREATE", "UPDATE", "DELETE"):
+        assert ("", "v1", "pods", op) in rules
+    for resource in ("resourceclaims", "resourceclaimtemplates"):
+        for op in ("CREATE", "UPDATE"):
+            assert (names.RESOURCE_GROUP, "*", resource, op) in rules  # every DRA version
+    for group, resource in WORKLOADS:
+        for op in ("CREATE", "UPDATE"):
+            assert (group, "v1", resource, op) in rules
+    assert all(op != "CONNECT" and resource != "*" for _, _, resource, op in rules)
+
+
+def test_mutating_rules(docs: list[Doc]):
+    rules = covered(by_name(docs)["mutate.scrubgate.dev"])
+    assert (names.RESOURCE_GROUP, "*", "resourceclaims", "CREATE") in rules
+    for group, resource in [("", "pods"), *WORKLOADS]:
+        for op in ("CREATE", "UPDATE"):
+            assert (group, "v1", resource, op) in rules
+    assert {op for *_, op in rules} == {"CREATE", "UPDATE"}
+
+
+# --- matchConditions, evaluated with a CEL implementation (cel-cpp, like the API server's cel-go) ------
+
+
+@pytest.fixture(scope="module")
+def cel_env() -> Any:
+    from cel_expr_python import cel
+
+    return cel.NewEnv(variables={v: cel.Type.DYN for v in ("object", "oldObject", "request")})
+
+
+def pod_spec(claims: bool) -> Doc:
+    spec: Doc = {"containers": [{"name": "c", "image": "i"}], "terminationGracePeriodSeconds": 30}
+    if claims:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu"}]
+    return spec
+
+
+def workload(resource: str, claims: bool) -> Doc:
+    template = {"metadata": {}, "spec": pod_spec(claims)}
+    if resource == "pods":
+        return {"metadata": {"name": "p"}, "spec": pod_spec(claims), "status": {}}
+    if resource == "podtemplates":
+        return {"metadata": {"name": "t"}, "template": template}
+    if resource == "cronjobs":
+        return {
+            "metadata": {"name": "c"},
+            "spec": {"schedule": "* * * * *", "jobTemplate": {"spec": {"template": template}}},
+        }
+    return {"metadata": {"name": "w"}, "spec": {"template": template}, "status": {}}
+
+
+def admission(group: str, resource: str, operation: str, obj: Doc | None, old: Doc | None) -> Doc:
+    return {
+        "request": {
+            "operation": operation,
+            "resource": {"group": group, "version": "v1", "resource": resource},
+        },
+        "object": obj,
+        "oldObject": old,
+    }
+
+
+def reaches_webhook(cel_env: Any, hook: Doc, data: Doc) -> bool:
+    """All matchConditions true. An evaluation error would make the API server reject the request (Fail)."""
+    from cel_expr_python import cel
+
+    results = []
+    for condition in hook["matchConditions"]:
+        value = cel_env.compile(condition["expression"]).eval(data=data)
+        assert value.type() == cel.Type.BOOL, f"{condition['name']} gave {value.type().name()}: {value.value()}"
+        results.append(value.value())
+    return all(results)
+
+
+CLAIM = {"metadata": {"name": "c", "finalizers": [names.FINALIZER]}, "spec": {"devices": {"requests": []}}}
+
+
+def cases() -> Iterator[tuple[str, Doc, bool]]:
+    for claims in (True, False):
+        yield f"pod CREATE claims={claims}", admission("", "pods", "CREATE", workload("pods", claims), None), claims
+        pod = workload("pods", claims)
+        yield f"pod UPDATE claims={claims}", admission("", "pods", "UPDATE", pod, pod), claims
+        yield f"pod DELETE claims={claims}", admission("", "pods", "DELETE", None, pod), claims
+        for group, resource in WORKLOADS:
+            for op in ("CREATE", "UPDATE"):
+                obj = workload(resource, claims)
+                old = None if op == "CREATE" else obj
+                yield f"{resource} {op} claims={claims}", admission(group, resource, op, obj, old), claims
+    # Every claim and template reaches us, whatever it holds: the finalizer guard sees every UPDATE.
+    for resource in ("resourceclaims", "resourceclaimtemplates"):
+        yield f"{resource} CREATE", admission(names.RESOURCE_GROUP, resource, "CREATE", CLAIM, None), True
+        yield f"{resource} UPDATE", admission(names.RESOURCE_GROUP, resource, "UPDATE", CLAIM, CLAIM), True
+
+
+@pytest.mark.parametrize("name, data, expected", list(cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, expected: bool):
+    for _, hook in webhooks(docs):
+        assert reaches_webhook(cel_env, hook, data) is expected, f"{hook['name']}: {name}"
+
+
+def test_pod_delete_reads_the_old_object(docs: list[Doc]):
+    (condition,) = [c for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"] if "pods" in c["expression"]]
+    assert "request.operation == 'DELETE' ? has(oldObject.spec.resourceClaims)" in condition["expression"]
+
+
+# --- webhook Deployment --------------------------------------------------------------------------------
+
+
+def test_webhook_deployment(docs: list[Doc]):
+    deployment = one(docs, "Deployment", "scrubgate-webhook")
+    spec = deployment["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert pod["serviceAccountName"] == names.WEBHOOK_SERVICE_ACCOUNT
+    assert pod["automountServiceAccountToken"] is False
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    assert container["image"] == IMAGE
+    assert container["command"] == ["scrubgate"]
+    assert container["args"] == [
+        "webhook",
+        "--tls-cert", "/etc/scrubgate/tls/tls.crt",
+        "--tls-key", "/etc/scrubgate/tls/tls.key",
+        "--port", "8443",
+        "--policy", "/etc/scrubgate/policy/policy.yaml",
+        "--audit-log", "/var/log/scrubgate/audit.jsonl",
+    ]  # fmt: skip
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = container[probe]["httpGet"]
+        assert (get["path"], get["port"], get["scheme"]) == (path, "https", "HTTPS")
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+
+
+def assert_restricted(pod: Doc, container: Doc) -> None:
+    """The Pod Security Standard "restricted" profile, field by field."""
+    context = {**pod.get("securityContext", {}), **container["securityContext"]}
+    assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert all(set(v) <= {"name", "secret", "configMap", "emptyDir"} for v in pod["volumes"])
+
+
+def test_webhook_pod_is_restricted(docs: list[Doc]):
+    pod = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    assert_restricted(pod, pod["containers"][0])
+
+
+def test_webhook_mounts_what_its_arguments_name(docs: list[Doc]):
+    pod = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    tls = volumes[mounts["/etc/scrubgate/tls"]["name"]]
+    assert tls["secret"]["secretName"] == layout.TLS_SECRET_NAME
+    assert "subPath" not in mounts["/etc/scrubgate/tls"]  # subPath mounts never see a rotated Secret
+    policy_volume = volumes[mounts["/etc/scrubgate/policy"]["name"]]
+    configmap = one(docs, "ConfigMap", policy_volume["configMap"]["name"])
+    assert configmap["data"]["policy.yaml"] == (REPO / "policies" / "default.yaml").read_text()
+    assert "emptyDir" in volumes[mounts["/var/log/scrubgate"]["name"]]
+
+
+def test_disruption_budget_keeps_a_replica(docs: list[Doc]):
+    pdb = one(docs, "PodDisruptionBudget", "scrubgate-webhook")["spec"]
+    deployment = one(docs, "Deployment", "scrubgate-webhook")["spec"]
+    assert pdb["selector"] == deployment["selector"]
+    assert 1 <= pdb["minAvailable"] < deployment["replicas"]
+
+
+# --- node agent --------------------------------------------------------------------------------------
+
+
+def test_agent_daemonset(docs: list[Doc]):
+    pod = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == IMAGE
+    assert container["args"] == [
+        "agent",
+        "--node", "$(NODE_NAME)",
+        "--gpu-backend", "nvml",
+        "--checkpoint", "/var/lib/scrubgate/checkpoint.json",
+        "--signing-key", "/etc/scrubgate/signing/ed25519.pem",
+        "--key-id", "$(KEY_ID)",
+        "--nvidia-checkpoint", "/var/lib/kubelet/plugins/gpu.nvidia.com/checkpoint.json",
+        "--metrics-port", "9400",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "scrubgate-agent-signing-key"
+    assert pod["serviceAccountName"] == names.AGENT_SERVICE_ACCOUNT
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    tolerated = {t["key"] for t in pod["tolerations"] if t["operator"] == "Exists" and "effect" not in t}
+    assert {"nvidia.com/gpu", names.TAINT_UNSANITIZED, names.TAINT_SCRUB_FAILED} <= tolerated
+    assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
+
+
+def test_agent_volumes(docs: list[Doc]):
+    pod = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+
+    def volume(path: str) -> tuple[Doc, Doc]:
+        return mounts[path], volumes[mounts[path]["name"]]
+
+    mount, state = volume("/var/lib/scrubgate")
+    assert state["hostPath"]["path"] == "/var/lib/scrubgate" and not mount.get("readOnly", False)
+    mount, nvidia = volume("/var/lib/kubelet/plugins/gpu.nvidia.com")
+    assert nvidia["hostPath"]["path"] == "/var/lib/kubelet/plugins/gpu.nvidia.com" and mount["readOnly"] is True
+    mount, key = volume("/etc/scrubgate/signing")
+    assert key["secret"]["secretName"] == "scrubgate-agent-signing-key" and mount["readOnly"] is True
+    assert key["secret"]["items"] == [{"key": "ed25519.pem", "path": "ed25519.pem"}]
+
+
+def test_agent_container_is_locked_down_apart_from_root(docs: list[Doc]):
+    context = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+# --- RBAC --------------------------------------------------------------------------------------------
+
+
+def grants(role: Doc) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
+    dra = names.RESOURCE_GROUP
+    expected = {
+        *(("", "pods", v) for v in ("get", "list", "watch")),
+        *((dra, "resourceclaims", v) for v in ("get", "patch", "update")),
+        *((dra, "resourceslices", v) for v in ("get", "list", "watch")),
+        *((dra, "devicetaintrules", v) for v in ("create", "delete", "get", "list")),
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
+        ("", "events", "create"),
+        ("events.k8s.io", "events", "create"),
+    }
+    assert grants(one(docs, "ClusterRole", "scrubgate-agent")) == expected
+    binding = one(docs, "ClusterRoleBinding", "scrubgate-agent")
+    assert binding["roleRef"]["name"] == "scrubgate-agent"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": names.AGENT_SERVICE_ACCOUNT, "namespace": names.SYSTEM_NAMESPACE}
+    ]
+
+
+def test_webhook_has_no_api_access(docs: list[Doc]):
+    for doc in docs:
+        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            assert all(s["name"] != names.WEBHOOK_SERVICE_ACCOUNT for s in doc["subjects"])
+    account = one(docs, "ServiceAccount", names.WEBHOOK_SERVICE_ACCOUNT)
+    assert account["automountServiceAccountToken"] is False
+
+
+# --- TLS: certs inject and the cert-manager component ---------------------------------------------------
+
+
+def test_injected_render_still_validates(docs: list[Doc]):
+    ca = gen.generate_ca()
+    text, count = inject_yaml_text(yaml.safe_dump_all(docs), ca.cert_pem)
+    patched = list(yaml.safe_load_all(text))
+    assert count == count_webhooks(patched) == 3
+    for doc in patched:
+        kubernetes_validate.validate(doc, "1.34", strict=True)
+
+
+def test_cert_manager_component(tmp_path: Path):
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    # kustomize accepts only relative paths to other kustomizations.
+    base, component = (os.path.relpath(p, overlay) for p in (MANIFESTS, COMPONENT))
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [base],
+                "components": [component],
+            }
+        )
+    )
+    docs = kustomize(overlay)
+    certificates = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+    issuers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Issuer"}
+    serving = next(c for c in certificates.values() if c["spec"]["secretName"] == layout.TLS_SECRET_NAME)
+    assert serving["spec"]["dnsNames"] == gen.service_sans()
+    assert "server auth" in serving["spec"]["usages"]
+    issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    ca_cert = next(c for c in certificates.values() if c["spec"]["secretName"] == issuer["spec"]["ca"]["secretName"])
+    assert ca_cert["spec"]["isCA"] is True
+    assert "selfSigned" in issuers[ca_cert["spec"]["issuerRef"]["name"]]["spec"]
+    inject_from = f"{names.SYSTEM_NAMESPACE}/{serving['metadata']['name']}"
+    configurations = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
+    assert len(configurations) == 2
+    for doc in configurations:
+        assert doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == inject_from
+    for doc in docs:
+        if doc["apiVersion"].startswith("cert-manager.io/"):
+            assert doc["metadata"]["namespace"] == names.SYSTEM_NAMESPACE
+        else:
+            kubernetes_validate.validate(doc, "1.34", strict=True)
