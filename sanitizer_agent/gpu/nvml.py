@@ -1,0 +1,433 @@
+"""The real GPU backend: NVML (``nvidia-ml-py``, import name ``pynvml``) for inventory, processes and
+health; the CUDA driver API, in a child process per device (``cuda_scrub.py``), for the scrub.
+
+``pynvml`` is imported when the backend is opened, never at module import, so the project installs
+and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds the bindings).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scrubgate.policies.names import ATTESTATION_METHOD
+
+from . import cuda_scrub
+from .base import CRITICAL_XIDS, GpuDevice, GpuError, GpuProcess, HealthSnapshot, ProcessKind, ScrubResult
+from .driver_params import PARAMS_PATH, scrub_on_free_disabled
+
+log = logging.getLogger(__name__)
+
+SCRUB_SCRIPT = Path(cuda_scrub.__file__)
+# XID events kept for health(); a node sees a handful a day, this is weeks of them.
+XID_HISTORY = 4096
+# What scrub() reads from cuda_scrub.py's report.
+_REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
+# c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
+_FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+@dataclass(frozen=True)
+class _Handle:
+    uuid: str
+    handle: Any
+    index: int
+    parent_uuid: str | None
+    parent: Any  # the physical GPU's handle: ECC, row remapping and XIDs are per physical GPU
+    mig_enabled: bool  # a full GPU in MIG mode: CUDA cannot reach its memory as a whole
+
+
+class NvmlBackend:
+    """GpuBackend over NVML and the CUDA driver API."""
+
+    method = ATTESTATION_METHOD
+
+    def __init__(
+        self,
+        *,
+        scrub_timeout_s: float = 600.0,
+        chunk_bytes: int = cuda_scrub.DEFAULT_CHUNK_BYTES,
+        min_chunk_bytes: int = cuda_scrub.DEFAULT_MIN_CHUNK_BYTES,
+        max_unreachable_fraction: float = 0.1,
+        watch_xids: bool = True,
+        python: str = sys.executable,
+        child_env: Mapping[str, str] | None = None,
+        params_path: Path = PARAMS_PATH,
+    ) -> None:
+        try:
+            self._nvml = importlib.import_module("pynvml")
+        except ImportError as exc:
+            raise GpuError(f"NVML bindings not installed ({exc}): pip install 'scrubgate[gpu]'") from exc
+        self.scrub_timeout_s = scrub_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.min_chunk_bytes = min_chunk_bytes
+        # Memory the scrub could not allocate (its own CUDA context, fragmentation, the driver's own)
+        # beyond this share of the usable memory means the scrub cannot vouch for the device.
+        self.max_unreachable_fraction = max_unreachable_fraction
+        self.python = python
+        self.child_env = dict(child_env or {})
+        self.params_path = params_path
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
+        self._xids: _XidWatcher | None = None
+        if watch_xids:
+            gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
+            try:
+                self._xids = _XidWatcher(self._nvml, gpus)
+            except self._nvml.NVMLError as exc:
+                self._nvml.nvmlShutdown()
+                raise GpuError(
+                    f"NVML cannot watch XID events ({exc}); open the backend with watch_xids=False to run "
+                    "without them (ECC and row-remapping counters are still checked)"
+                ) from exc
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._xids is not None:
+            self._xids.close()
+            self._xids = None
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError as exc:
+            log.warning("NVML shutdown failed: %s", exc)
+
+    def __enter__(self) -> NvmlBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ helpers
+
+    def _is(self, exc: Exception, name: str) -> bool:
+        return getattr(exc, "value", None) == getattr(self._nvml, f"NVML_ERROR_{name}")
+
+    def _enumerate(self) -> tuple[dict[str, _Handle], list[str]]:
+        """Every full GPU and MIG device by UUID, and a message for each GPU that could not be read.
+
+        Raises GpuError only when NVML cannot even count the GPUs.
+        """
+        nvml = self._nvml
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot list GPUs: {exc}") from exc
+        found: dict[str, _Handle] = {}
+        errors: list[str] = []
+        for index in range(count):
+            try:
+                gpu = nvml.nvmlDeviceGetHandleByIndex(index)
+                gpu_uuid = nvml.nvmlDeviceGetUUID(gpu)
+                try:
+                    mig_enabled = nvml.nvmlDeviceGetMigMode(gpu)[0] == nvml.NVML_DEVICE_MIG_ENABLE
+                except nvml.NVMLError as exc:
+                    if not self._is(exc, "NOT_SUPPORTED"):
+                        raise
+                    mig_enabled = False
+                found[gpu_uuid] = _Handle(gpu_uuid, gpu, index, None, gpu, mig_enabled)
+                if not mig_enabled:
+                    continue
+                for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+                    try:
+                        mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
+                    except nvml.NVMLError as exc:
+                        if self._is(exc, "NOT_FOUND"):  # an empty slot
+                            continue
+                        raise
+                    mig_uuid = nvml.nvmlDeviceGetUUID(mig)
+                    found[mig_uuid] = _Handle(mig_uuid, mig, slot, gpu_uuid, gpu, False)
+            except nvml.NVMLError as exc:
+                errors.append(f"GPU index {index}: {exc}")
+        return found, errors
+
+    def _resolve(self, uuid: str) -> _Handle:
+        entry = self._enumerate()[0].get(uuid)
+        if entry is None:
+            raise GpuError(f"GPU device {uuid} not found by NVML (gone, or not on this node)", uuid)
+        return entry
+
+    def _memory(self, handle: Any) -> tuple[int, int, int]:
+        """(total, reserved, free) in bytes; reserved needs NVML's v2 memory info (driver >= 510)."""
+        nvml = self._nvml
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+                return int(info.total), int(info.reserved), int(info.free)
+            except nvml.NVMLError as exc:
+                if not any(
+                    self._is(exc, n) for n in ("FUNCTION_NOT_FOUND", "NOT_SUPPORTED", "ARGUMENT_VERSION_MISMATCH")
+                ):
+                    raise
+        info = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.total), 0, int(info.free)
+
+    # ------------------------------------------------------------ GpuBackend
+
+    def list_devices(self) -> list[GpuDevice]:
+        entries, errors = self._enumerate()
+        for error in errors:
+            # Left out, not guessed at: the agent keeps any device it cannot see fenced.
+            log.warning("NVML could not read a GPU, leaving it out of the inventory: %s", error)
+        devices = []
+        for entry in entries.values():
+            try:
+                total, reserved, free = self._memory(entry.handle)
+                name = self._nvml.nvmlDeviceGetName(entry.handle)
+            except self._nvml.NVMLError as exc:
+                log.warning("NVML could not read device %s, leaving it out of the inventory: %s", entry.uuid, exc)
+                continue
+            devices.append(GpuDevice(entry.uuid, entry.index, name, entry.parent_uuid, total, reserved, free))
+        return devices
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        entry = self._resolve(uuid)
+        nvml = self._nvml
+        queries: list[tuple[ProcessKind, str]] = [
+            ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+            ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
+        ]
+        found: dict[tuple[int, str], GpuProcess] = {}
+        for kind, function in queries:
+            try:
+                infos = getattr(nvml, function)(entry.handle)
+            except nvml.NVMLError as exc:
+                if self._is(exc, "NOT_SUPPORTED"):  # e.g. graphics on a MIG device
+                    continue
+                raise GpuError(f"NVML cannot list {kind} processes on {uuid}: {exc}", uuid) from exc
+            for info in infos:
+                found.setdefault((info.pid, kind), GpuProcess(int(info.pid), kind, info.usedGpuMemory))
+        return list(found.values())
+
+    def health(self, uuid: str, since: float) -> HealthSnapshot:
+        entry = self._resolve(uuid)
+        nvml = self._nvml
+        gpu = entry.parent
+        try:
+            ecc = nvml.nvmlDeviceGetTotalEccErrors(gpu, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+        except nvml.NVMLError as exc:
+            if not self._is(exc, "NOT_SUPPORTED"):  # ECC off, or a GPU without it
+                raise GpuError(f"NVML cannot read ECC errors of {uuid}: {exc}", uuid) from exc
+            ecc = 0
+        try:
+            _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(gpu)
+        except nvml.NVMLError as exc:
+            if not self._is(exc, "NOT_SUPPORTED"):  # before Ampere there is no row remapping
+                raise GpuError(f"NVML cannot read remapped rows of {uuid}: {exc}", uuid) from exc
+            pending = failed = 0
+        xids: tuple[int, ...] = ()
+        if self._xids is not None:
+            parent_uuid = entry.parent_uuid or entry.uuid
+            xids = self._xids.since(parent_uuid, since)
+        return HealthSnapshot(
+            ecc_uncorrectable_volatile=int(ecc),
+            remapped_rows_pending=bool(pending),
+            remapped_rows_failed=bool(failed),
+            recovery_action=self._recovery_action(gpu),
+            xids=xids,
+        )
+
+    def _recovery_action(self, gpu: Any) -> int | None:
+        nvml = self._nvml
+        field = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if field is None:
+            return None
+        try:
+            value = nvml.nvmlDeviceGetFieldValues(gpu, [field])[0]
+        except nvml.NVMLError:
+            return None  # a driver older than the field
+        if value.nvmlReturn != nvml.NVML_SUCCESS:
+            return None
+        member = _FIELD_VALUE_MEMBER.get(int(value.valueType))
+        return int(getattr(value.value, member)) if member else None
+
+    def scrub(self, uuid: str) -> ScrubResult:
+        started = time.monotonic()
+        entry = self._enumerate()[0].get(uuid)
+
+        def result(
+            verified: bool,
+            reason: str | None,
+            total: int = 0,
+            reserved: int = 0,
+            scrubbed: int = 0,
+            kernel_s: float | None = None,
+        ) -> ScrubResult:
+            return ScrubResult(
+                uuid=uuid,
+                bytes_scrubbed=scrubbed,
+                bytes_total=total,
+                bytes_reserved=reserved,
+                bytes_unreachable=max(total - reserved - scrubbed, 0),
+                duration_s=time.monotonic() - started,
+                verified=verified,
+                method=self.method,
+                reason=reason,
+                kernel_s=kernel_s,
+            )
+
+        if entry is None:
+            return result(
+                False,
+                f"device {uuid} no longer exists (a dynamically created MIG device is destroyed when the "
+                "claim is unprepared): its memory cannot be reached to verify it",
+            )
+        if entry.mig_enabled:
+            return result(
+                False,
+                f"GPU {uuid} is in MIG mode: CUDA cannot reach its memory as a whole; scrub it with MIG "
+                "disabled, or scrub each of its MIG devices",
+            )
+        holders = self.processes(uuid)
+        if holders:
+            pids = ", ".join(str(p.pid) for p in holders)
+            return result(False, f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed")
+        try:
+            total, reserved, _free = self._memory(entry.handle)
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot read memory of {uuid}: {exc}", uuid) from exc
+        report, failure = self._run_child(uuid)
+        if failure is not None:
+            return result(False, failure, total, reserved)
+        scrubbed = int(report["bytesScrubbed"])
+        kernel_s = float(report["scrubS"])
+        nonzero = int(report["nonzeroWords"])
+        usable = total - reserved
+        if nonzero:
+            reason = (
+                f"verification found {nonzero} non-zero {report['wordBytes']}-byte words on {uuid} "
+                "after zeroing: memory does not hold writes, or something wrote to it during the scrub"
+            )
+            return result(False, reason, total, reserved, scrubbed, kernel_s)
+        unreachable = max(usable - scrubbed, 0)
+        if scrubbed <= 0 or unreachable > self.max_unreachable_fraction * usable:
+            reason = (
+                f"scrub of {uuid} reached only {scrubbed} of {usable} usable bytes; {unreachable} could not "
+                "be allocated (held by another process or the driver), so they are unverified"
+            )
+            return result(False, reason, total, reserved, scrubbed, kernel_s)
+        return result(True, None, total, reserved, scrubbed, kernel_s)
+
+    def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
+        """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""
+        env = {**os.environ, **self.child_env, "CUDA_VISIBLE_DEVICES": uuid}
+        command = [
+            self.python,
+            str(SCRUB_SCRIPT),
+            f"--chunk-bytes={self.chunk_bytes}",
+            f"--min-chunk-bytes={self.min_chunk_bytes}",
+        ]
+        try:
+            done = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=self.scrub_timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return {}, f"scrub of {uuid} did not finish within {self.scrub_timeout_s:.0f}s and was killed"
+        except OSError as exc:
+            return {}, f"scrub of {uuid} could not start {self.python}: {exc}"
+        report = _last_json_line(done.stdout)
+        if report is None:
+            tail = (done.stderr or done.stdout).strip()[-500:]
+            return {}, f"scrub of {uuid} exited {done.returncode} without a report: {tail}"
+        if "error" in report:
+            return {}, f"scrub of {uuid} failed: {report['error']}"
+        if done.returncode != 0:
+            return {}, f"scrub of {uuid} exited {done.returncode}"
+        if not all(isinstance(report.get(key), int | float) for key in _REPORT_NUMBERS):
+            return {}, f"scrub of {uuid} gave a malformed report: {json.dumps(report)[:500]}"
+        return report, None
+
+    def scrub_on_free_disabled(self) -> bool | None:
+        return scrub_on_free_disabled(self.params_path)
+
+
+def _last_json_line(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+class _XidWatcher:
+    """Collects XID events from NVML in a thread, so health() can answer "which XIDs since t".
+
+    NVML keeps no history: XIDs that happened before the backend opened are not seen (the ECC and
+    row-remapping counters, which do persist, cover the memory faults among them).
+    """
+
+    def __init__(self, nvml: Any, gpus: Mapping[str, Any], poll_ms: int = 500) -> None:
+        self._nvml = nvml
+        self._poll_ms = poll_ms
+        self._events: collections.deque[tuple[float, str, int]] = collections.deque(maxlen=XID_HISTORY)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._set = nvml.nvmlEventSetCreate()
+        for uuid, handle in gpus.items():
+            try:
+                supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
+                if supported & nvml.nvmlEventTypeXidCriticalError:
+                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
+                else:
+                    log.warning("GPU %s does not report XID events; health checks see ECC and rows only", uuid)
+            except nvml.NVMLError as exc:
+                log.warning("cannot watch XID events of GPU %s: %s; health checks see ECC and rows only", uuid, exc)
+        self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        while not self._stop.is_set():
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._set, self._poll_ms)
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) == nvml.NVML_ERROR_TIMEOUT:
+                    continue
+                self.error = str(exc)
+                log.error("XID event watch stopped: %s; health checks now fail until the agent restarts", exc)
+                return
+            if not data.eventType & nvml.nvmlEventTypeXidCriticalError:
+                continue
+            try:
+                uuid = nvml.nvmlDeviceGetUUID(data.device)
+            except nvml.NVMLError as exc:
+                uuid = "?"
+                log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
+            log.warning("XID %d on GPU %s", data.eventData, uuid)
+            with self._lock:
+                self._events.append((time.time(), uuid, int(data.eventData)))
+
+    def since(self, uuid: str, since: float) -> tuple[int, ...]:
+        if self.error is not None:
+            raise GpuError(f"XID events of {uuid} unknown: the NVML event watch stopped ({self.error})", uuid)
+        with self._lock:
+            # An event NVML could not attribute ("?") counts against every GPU: fail closed.
+            return tuple(
+                xid for at, who, xid in self._events if at >= since and who in (uuid, "?") and xid in CRITICAL_XIDS
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._poll_ms / 1000 * 4)
+        try:
+            self._nvml.nvmlEventSetFree(self._set)
+        except self._nvml.NVMLError as exc:
+            log.warning("freeing the NVML event set failed: %s", exc)

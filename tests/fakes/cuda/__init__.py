@@ -1,0 +1,1 @@
+"""Stand-in for the cuda-python namespace package (see bindings/driver.py)."""

@@ -1,0 +1,1 @@
+"""Stand-in for cuda.bindings: only the driver module is faked."""

@@ -1,0 +1,408 @@
+"""Stand-in for nvidia-ml-py's ``pynvml`` (checked against 13.615): the functions scrubgate calls,
+with the real names, argument shapes, return shapes, constants and error classes, over the fake node
+of ``fakegpu``. It is strict where the real library is: calls before ``nvmlInit`` fail with
+Uninitialized, queries about the physical GPU fail on MIG handles, ``version`` must be
+``nvmlMemory_v2``, a ``NVMLError(value)`` becomes its ``NVMLError_<Name>`` subclass.
+
+Only ``fake_emit_xid`` is not pynvml's: tests call it to raise an XID event.
+"""
+
+from __future__ import annotations
+
+import queue
+import string
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import fakegpu
+
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_ALREADY_INITIALIZED = 5
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+NVML_ERROR_INSUFFICIENT_POWER = 8
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_IRQ_ISSUE = 11
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_CORRUPTED_INFOROM = 14
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_OPERATING_SYSTEM = 17
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_MEMORY = 20
+NVML_ERROR_NO_DATA = 21
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+NVML_ERROR_UNKNOWN = 999
+
+NVML_DEVICE_MIG_DISABLE = 0x0
+NVML_DEVICE_MIG_ENABLE = 0x1
+NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_AGGREGATE_ECC = 1
+nvmlMemory_v2 = 0x02000028
+
+NVML_VALUE_TYPE_DOUBLE = 0
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
+NVML_VALUE_TYPE_UNSIGNED_LONG = 2
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
+NVML_FI_DEV_ECC_DBE_VOL_TOTAL = 4
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_GPU_RECOVERY_ACTION_NONE = 0
+NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
+NVML_GPU_RECOVERY_ACTION_NODE_REBOOT = 2
+NVML_GPU_RECOVERY_ACTION_DRAIN_P2P = 3
+NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET = 4
+
+nvmlEventTypeSingleBitEccError = 0x0000000000000001
+nvmlEventTypeDoubleBitEccError = 0x0000000000000002
+nvmlEventTypePState = 0x0000000000000004
+nvmlEventTypeXidCriticalError = 0x0000000000000008
+nvmlEventTypeNone = 0x0000000000000000
+
+
+class NVMLError(Exception):
+    _valClassMapping: dict[int, type] = {}
+    _errcode_to_string = {
+        NVML_ERROR_UNINITIALIZED: "Uninitialized",
+        NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+        NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+        NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+        NVML_ERROR_NOT_FOUND: "Not Found",
+        NVML_ERROR_TIMEOUT: "Timeout",
+        NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+        NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+        NVML_ERROR_ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
+        NVML_ERROR_UNKNOWN: "Unknown Error",
+    }
+
+    def __new__(cls, value: int) -> NVMLError:
+        if cls is NVMLError:
+            cls = NVMLError._valClassMapping.get(value, cls)
+        obj = Exception.__new__(cls)
+        obj.value = value
+        return obj
+
+    def __str__(self) -> str:
+        return NVMLError._errcode_to_string.get(self.value, f"NVML Error with code {self.value}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NVMLError) and self.value == other.value
+
+    __hash__ = Exception.__hash__
+
+
+def _make_error_classes() -> None:
+    # As pynvml does: NVML_ERROR_NOT_SUPPORTED -> class NVMLError_NotSupported(NVMLError).
+    module = sys.modules[__name__]
+    for name in [n for n in dir(module) if n.startswith("NVML_ERROR_")]:
+        value = getattr(module, name)
+        class_name = "NVMLError_" + string.capwords(name.replace("NVML_ERROR_", ""), "_").replace("_", "")
+
+        def new(cls: type, *args: Any, _value: int = value) -> NVMLError:
+            return NVMLError.__new__(cls, _value)
+
+        error_class = type(class_name, (NVMLError,), {"__new__": new})
+        setattr(module, class_name, error_class)
+        NVMLError._valClassMapping[value] = error_class
+
+
+_make_error_classes()
+
+# ---------------------------------------------------------------- library state
+
+_refcount = 0
+_event_sets: list[_EventSet] = []
+
+
+@dataclass(frozen=True)
+class c_nvmlDevice_t:
+    """pynvml's device handle; opaque to callers."""
+
+    uuid: str
+    parent_uuid: str | None
+
+
+class _EventSet:
+    def __init__(self) -> None:
+        self.queue: queue.Queue[SimpleNamespace] = queue.Queue()
+        self.registered: dict[str, int] = {}
+        self.freed = False
+
+
+def _check(function: str, handle: c_nvmlDevice_t | None = None) -> None:
+    if _refcount == 0:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    errors = fakegpu.load().get("nvmlErrors", {})
+    for key in ("*", handle.uuid if handle else None):
+        code = errors.get(key, {}).get(function) if key else None
+        if code is not None:
+            raise NVMLError(globals()[code] if isinstance(code, str) else code)
+
+
+def _gpus() -> list[dict[str, Any]]:
+    return fakegpu.load()["gpus"]
+
+
+def _record(handle: c_nvmlDevice_t) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the device's record, its GPU's record if it is a MIG device)."""
+    for gpu in _gpus():
+        if gpu["uuid"] == handle.uuid:
+            return gpu, None
+        for mig in gpu["migs"]:
+            if mig["uuid"] == handle.uuid:
+                return mig, gpu
+    raise NVMLError(NVML_ERROR_GPU_IS_LOST)  # the handle's device is gone
+
+
+def _physical(handle: Any, function: str) -> dict[str, Any]:
+    # Queries about the physical GPU (ECC, row remapping, fields, events) refuse MIG handles.
+    if not isinstance(handle, c_nvmlDevice_t):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    _check(function, handle)
+    record, parent = _record(handle)
+    if parent is not None:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return record
+
+
+def _device(handle: Any, function: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    if not isinstance(handle, c_nvmlDevice_t):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    _check(function, handle)
+    return _record(handle)
+
+
+# ---------------------------------------------------------------- API
+
+
+def nvmlInit() -> None:
+    global _refcount
+    fakegpu.load()  # the real call fails when the driver is missing
+    _refcount += 1
+
+
+def nvmlShutdown() -> None:
+    global _refcount
+    _check("nvmlShutdown")
+    _refcount -= 1
+
+
+def nvmlDeviceGetCount() -> int:
+    _check("nvmlDeviceGetCount")
+    return len(_gpus())
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> c_nvmlDevice_t:
+    _check("nvmlDeviceGetHandleByIndex")
+    gpus = _gpus()
+    if not isinstance(index, int) or not 0 <= index < len(gpus):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    handle = c_nvmlDevice_t(gpus[index]["uuid"], None)
+    _check("nvmlDeviceGetHandleByIndex", handle)
+    return handle
+
+
+def nvmlDeviceGetUUID(handle: c_nvmlDevice_t) -> str:
+    record, _ = _device(handle, "nvmlDeviceGetUUID")
+    return record["uuid"]
+
+
+def nvmlDeviceGetName(handle: c_nvmlDevice_t) -> str:
+    record, parent = _device(handle, "nvmlDeviceGetName")
+    return f"{parent['name']} MIG {record['memory'] >> 20}MiB" if parent else record["name"]
+
+
+def nvmlDeviceGetMemoryInfo(handle: c_nvmlDevice_t, version: int | None = None) -> SimpleNamespace:
+    record, parent = _device(handle, "nvmlDeviceGetMemoryInfo")
+    gpu = parent or record
+    reserved = record["reserved"]
+    total = record["memory"] + reserved
+    used = reserved + sum(b for _, b in fakegpu.context_holders(record["uuid"]))
+    free = max(total - used, 0)
+    if not version:
+        # c_nvmlMemory_t: "used" includes the reserved memory.
+        return SimpleNamespace(total=total, free=free, used=used)
+    if not gpu.get("memoryV2", True):
+        raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+    if version != nvmlMemory_v2:
+        raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    return SimpleNamespace(version=version, total=total, reserved=reserved, free=free, used=used - reserved)
+
+
+def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]:
+    record = _physical(device, "nvmlDeviceGetMigMode")
+    if record.get("migMode") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return [record["migMode"], record["migMode"]]
+
+
+def nvmlDeviceGetMaxMigDeviceCount(device: c_nvmlDevice_t) -> int:
+    record = _physical(device, "nvmlDeviceGetMaxMigDeviceCount")
+    if record.get("migMode") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return record["maxMig"]
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(device: c_nvmlDevice_t, index: int) -> c_nvmlDevice_t:
+    record = _physical(device, "nvmlDeviceGetMigDeviceHandleByIndex")
+    if record.get("migMode") != NVML_DEVICE_MIG_ENABLE or not 0 <= index < record["maxMig"]:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    for mig in record["migs"]:
+        if mig["slot"] == index:
+            return c_nvmlDevice_t(mig["uuid"], record["uuid"])
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: c_nvmlDevice_t) -> c_nvmlDevice_t:
+    _, parent = _device(migDevice, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
+    if parent is None:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return c_nvmlDevice_t(parent["uuid"], None)
+
+
+def _processes(handle: c_nvmlDevice_t, kind: str, function: str) -> list[SimpleNamespace]:
+    record, parent = _device(handle, function)
+    if parent is not None and kind == "graphics":
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    listed = [tuple(p) for p in record.get("processes", {}).get(kind, [])]
+    if kind == "compute":
+        listed += fakegpu.context_holders(record["uuid"])
+    # As nvidia-ml-py: objects with the c_nvmlProcessInfo_v3_t fields; usedGpuMemory None when N/A.
+    return [
+        SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+        for pid, used in listed
+    ]
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: c_nvmlDevice_t) -> list[SimpleNamespace]:
+    return _processes(handle, "compute", "nvmlDeviceGetComputeRunningProcesses")
+
+
+def nvmlDeviceGetGraphicsRunningProcesses(handle: c_nvmlDevice_t) -> list[SimpleNamespace]:
+    return _processes(handle, "graphics", "nvmlDeviceGetGraphicsRunningProcesses")
+
+
+def nvmlDeviceGetMPSComputeRunningProcesses(handle: c_nvmlDevice_t) -> list[SimpleNamespace]:
+    return _processes(handle, "mps", "nvmlDeviceGetMPSComputeRunningProcesses")
+
+
+def nvmlDeviceGetTotalEccErrors(handle: c_nvmlDevice_t, errorType: int, counterType: int) -> int:
+    record = _physical(handle, "nvmlDeviceGetTotalEccErrors")
+    if errorType not in (0, 1) or counterType not in (0, 1):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if record.get("ecc") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return record["ecc"] if errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED else 0
+
+
+def nvmlDeviceGetRemappedRows(device: c_nvmlDevice_t) -> tuple[int, int, int, int]:
+    record = _physical(device, "nvmlDeviceGetRemappedRows")
+    if record.get("remappedRows") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    corrected, uncorrected, pending, failure = record["remappedRows"]
+    return (corrected, uncorrected, pending, failure)
+
+
+def nvmlDeviceGetFieldValues(handle: c_nvmlDevice_t, fieldIds: list[Any]) -> list[SimpleNamespace]:
+    record = _physical(handle, "nvmlDeviceGetFieldValues")
+    values = []
+    for field in fieldIds:
+        field_id, scope = field if isinstance(field, tuple) else (field, 0)
+        value = SimpleNamespace(dVal=0.0, uiVal=0, ulVal=0, ullVal=0, sllVal=0, siVal=0, usVal=0)
+        ret, value_type = NVML_ERROR_NOT_SUPPORTED, NVML_VALUE_TYPE_UNSIGNED_INT
+        if field_id == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and record.get("recoveryAction") is not None:
+            ret, value.uiVal = NVML_SUCCESS, record["recoveryAction"]
+        elif field_id == NVML_FI_DEV_ECC_DBE_VOL_TOTAL and record.get("ecc") is not None:
+            ret, value_type, value.ullVal = NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, record["ecc"]
+        values.append(
+            SimpleNamespace(
+                fieldId=field_id,
+                scopeId=scope,
+                timestamp=0,
+                latencyUsec=0,
+                valueType=value_type,
+                nvmlReturn=ret,
+                value=value,
+            )
+        )
+    return values
+
+
+def nvmlEventSetCreate() -> _EventSet:
+    _check("nvmlEventSetCreate")
+    event_set = _EventSet()
+    _event_sets.append(event_set)
+    return event_set
+
+
+def nvmlDeviceGetSupportedEventTypes(handle: c_nvmlDevice_t) -> int:
+    record = _physical(handle, "nvmlDeviceGetSupportedEventTypes")
+    if not record.get("events", True):
+        return nvmlEventTypePState
+    return nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeXidCriticalError
+
+
+def nvmlDeviceRegisterEvents(handle: c_nvmlDevice_t, eventTypes: int, eventSet: _EventSet) -> None:
+    _physical(handle, "nvmlDeviceRegisterEvents")
+    if not isinstance(eventSet, _EventSet) or eventSet.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if eventTypes & ~nvmlDeviceGetSupportedEventTypes(handle):
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    eventSet.registered[handle.uuid] = eventSet.registered.get(handle.uuid, 0) | eventTypes
+
+
+def nvmlEventSetWait_v2(eventSet: _EventSet, timeoutms: int) -> SimpleNamespace:
+    _check("nvmlEventSetWait_v2")
+    if not isinstance(eventSet, _EventSet) or eventSet.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    try:
+        event = eventSet.queue.get(timeout=timeoutms / 1000)
+    except queue.Empty:
+        raise NVMLError(NVML_ERROR_TIMEOUT) from None
+    if isinstance(event, NVMLError):
+        raise event
+    return event
+
+
+def nvmlEventSetWait(eventSet: _EventSet, timeoutms: int) -> SimpleNamespace:
+    return nvmlEventSetWait_v2(eventSet, timeoutms)
+
+
+def nvmlEventSetFree(eventSet: _EventSet) -> None:
+    _check("nvmlEventSetFree")
+    eventSet.freed = True
+    _event_sets.remove(eventSet)
+
+
+# ---------------------------------------------------------------- test controls (not pynvml's)
+
+
+def fake_emit_xid(uuid: str, xid: int) -> None:
+    """Deliver an XID event for a GPU to every event set registered for XIDs on it."""
+    for event_set in list(_event_sets):
+        if event_set.registered.get(uuid, 0) & nvmlEventTypeXidCriticalError:
+            event_set.queue.put(
+                SimpleNamespace(
+                    device=c_nvmlDevice_t(uuid, None),
+                    eventType=nvmlEventTypeXidCriticalError,
+                    eventData=xid,
+                    gpuInstanceId=0xFFFFFFFF,
+                    computeInstanceId=0xFFFFFFFF,
+                )
+            )
+
+
+def fake_break_event_sets(code: int = NVML_ERROR_GPU_IS_LOST) -> None:
+    """Make every pending nvmlEventSetWait_v2 fail, as when a GPU falls off the bus."""
+    for event_set in list(_event_sets):
+        event_set.queue.put(NVMLError(code))

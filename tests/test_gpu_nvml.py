@@ -1,0 +1,330 @@
+"""The real backend's code paths (NVML in process, the CUDA scrub in a child) against faithful
+stand-ins of pynvml and cuda.bindings.driver (tests/fakes), so misuse of either API fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scrubgate.policies.names import ATTESTATION_METHOD
+from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, open_backend
+from scrubgate.sanitizer_agent.gpu.nvml import NvmlBackend
+
+FAKES = Path(__file__).parent / "fakes"
+CANARY = b"TENANT-A-SECRET!"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fake GPU node; ``import pynvml`` gets the fake, fresh for each test, and only here."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    fakes = ("pynvml", "fakegpu")
+    for name in fakes:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import fakegpu
+
+    fake = fakegpu.FakeNode(tmp_path / "node")
+    for key, value in fake.env.items():
+        monkeypatch.setenv(key, value)
+    yield fake
+    for name in fakes:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def open_nvml(node: Any) -> Any:
+    opened: list[NvmlBackend] = []
+
+    def make(**options: Any) -> NvmlBackend:
+        # Without the XID watch unless a test needs it: closing it waits out a poll of the event set.
+        options = {
+            "chunk_bytes": 8 * MiB,
+            "min_chunk_bytes": 64 << 10,
+            "child_env": node.env,
+            "watch_xids": False,
+            **options,
+        }
+        backend = open_backend("nvml", **options)
+        opened.append(backend)
+        return backend
+
+    yield make
+    for backend in opened:
+        backend.close()
+
+
+def fake_nvml() -> Any:
+    return sys.modules["pynvml"]
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+# ---------------------------------------------------------------- inventory
+
+
+def test_lists_gpus_and_mig_devices(node, open_nvml):
+    plain = node.add_gpu(memory=32 * MiB, reserved=MiB)
+    split = node.add_gpu(memory=32 * MiB, mig=[8 * MiB, 4 * MiB])
+    backend = open_nvml()
+    assert isinstance(backend, GpuBackend)
+    devices = {d.uuid: d for d in backend.list_devices()}
+    assert set(devices) == {plain["uuid"], split["uuid"], *(m["uuid"] for m in split["migs"])}
+    assert devices[plain["uuid"]].memory_total == 33 * MiB
+    assert devices[plain["uuid"]].memory_reserved == MiB
+    assert devices[plain["uuid"]].memory_free == 32 * MiB
+    first_mig = devices[split["migs"][0]["uuid"]]
+    assert first_mig.parent_uuid == split["uuid"] and first_mig.index == 0
+    assert first_mig.memory_total == 8 * MiB
+    assert devices[split["migs"][1]["uuid"]].index == 1
+
+
+def test_older_drivers_without_v2_memory_info_report_no_reserve(node, open_nvml):
+    gpu = node.add_gpu(memoryV2=False)
+    [device] = open_nvml().list_devices()
+    assert device.uuid == gpu["uuid"] and device.memory_reserved == 0
+
+
+def test_a_gpu_nvml_cannot_read_is_left_out(node, open_nvml):
+    broken = node.add_gpu()
+    fine = node.add_gpu()
+    backend = open_nvml()
+    node.data["nvmlErrors"] = {broken["uuid"]: {"nvmlDeviceGetUUID": "NVML_ERROR_GPU_IS_LOST"}}
+    node.save()
+    assert [d.uuid for d in backend.list_devices()] == [fine["uuid"]]
+
+
+def test_nvml_that_cannot_count_gpus_is_an_error(node, open_nvml):
+    node.add_gpu()
+    backend = open_nvml()
+    node.data["nvmlErrors"] = {"*": {"nvmlDeviceGetCount": "NVML_ERROR_DRIVER_NOT_LOADED"}}
+    node.save()
+    with pytest.raises(GpuError, match="cannot list GPUs"):
+        backend.list_devices()
+
+
+def test_missing_bindings_say_how_to_install_them(node, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(GpuError, match=r"scrubgate\[gpu\]"):
+        open_backend("nvml")
+
+
+# ---------------------------------------------------------------- processes
+
+
+def test_processes_of_every_kind(node, open_nvml):
+    gpu = node.add_gpu(processes={"compute": [[101, 4 * MiB]], "graphics": [[102, None]], "mps": [[103, MiB]]})
+    processes = open_nvml().processes(gpu["uuid"])
+    assert {(p.pid, p.kind, p.used_memory) for p in processes} == {
+        (101, "compute", 4 * MiB),
+        (102, "graphics", None),
+        (103, "mps", MiB),
+    }
+
+
+def test_processes_on_a_mig_device_skip_the_unsupported_graphics_query(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB])
+    mig = gpu["migs"][0]
+    mig["processes"] = {"compute": [[7, MiB]]}
+    node.save()
+    assert [p.pid for p in open_nvml().processes(mig["uuid"])] == [7]
+
+
+def test_process_query_errors_name_the_device(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml()
+    node.data["nvmlErrors"] = {gpu["uuid"]: {"nvmlDeviceGetComputeRunningProcesses": "NVML_ERROR_UNKNOWN"}}
+    node.save()
+    with pytest.raises(GpuError, match=gpu["uuid"]):
+        backend.processes(gpu["uuid"])
+    with pytest.raises(GpuError, match="GPU-nope"):
+        backend.processes("GPU-nope")
+
+
+# ---------------------------------------------------------------- health
+
+
+def test_health_of_a_mig_device_is_read_from_its_gpu(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB], ecc=3, remappedRows=[1, 1, 1, 0], recoveryAction=1)
+    health = open_nvml().health(gpu["migs"][0]["uuid"], 0)
+    assert health.ecc_uncorrectable_volatile == 3
+    assert health.remapped_rows_pending and not health.remapped_rows_failed
+    assert health.recovery_action == 1
+    assert not health.healthy
+
+
+def test_health_without_ecc_row_remapping_or_recovery_field(node, open_nvml):
+    gpu = node.add_gpu(ecc=None, remappedRows=None, recoveryAction=None)
+    health = open_nvml().health(gpu["uuid"], 0)
+    assert health == type(health)(0, False, False, None, ())
+    assert health.healthy
+
+
+def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB])
+    other = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 13)  # the tenant's own fault: not critical
+    fake_nvml().fake_emit_xid(gpu["uuid"], 79)
+    mig = gpu["migs"][0]["uuid"]
+    assert wait_for(lambda: backend.health(mig, 0).xids) == (79,)
+    assert backend.health(gpu["uuid"], 0).xids == (79,)
+    assert backend.health(other["uuid"], 0).xids == ()
+    assert backend.health(gpu["uuid"], time.time() + 1).xids == ()
+
+
+def test_a_stopped_event_watch_fails_health_checks(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_break_event_sets()
+
+    def failing() -> bool:
+        try:
+            backend.health(gpu["uuid"], 0)
+        except GpuError:
+            return True
+        return False
+
+    assert wait_for(failing)
+
+
+# ---------------------------------------------------------------- scrub
+
+
+def canary_bytes(node: Any, uuid: str) -> int:
+    return node.memory(uuid).count(CANARY) * len(CANARY)
+
+
+def test_scrub_zeroes_and_verifies_what_it_can_reach(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB, reserved=MiB)
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml().scrub(gpu["uuid"])
+    assert result.verified, result.reason
+    assert result.method == ATTESTATION_METHOD
+    assert (result.bytes_total, result.bytes_reserved) == (33 * MiB, MiB)
+    assert 0 < result.bytes_scrubbed < 32 * MiB  # the scrubber's own context and kernels take some
+    assert result.bytes_unreachable == 32 * MiB - result.bytes_scrubbed
+    assert result.kernel_s is not None and result.kernel_s <= result.duration_s
+    assert canary_bytes(node, gpu["uuid"]) <= result.bytes_unreachable
+
+
+def test_scrub_reaches_memory_in_halving_chunks(node, open_nvml):
+    gpu = node.add_gpu(memory=20 * MiB)
+    # 8 MiB chunks do not fit the last 4 MiB; halving down to 64 KiB reaches all but < 64 KiB of it.
+    result = open_nvml().scrub(gpu["uuid"])
+    overhead = gpu["contextBytes"] + (256 << 10) + 512  # context, kernels, the counter
+    assert result.verified
+    assert 20 * MiB - overhead - result.bytes_scrubbed < 64 << 10
+
+
+def test_scrub_of_a_static_mig_device(node, open_nvml):
+    gpu = node.add_gpu(mig=[16 * MiB, 16 * MiB])
+    first, second = (m["uuid"] for m in gpu["migs"])
+    node.fill(first, CANARY)
+    node.fill(second, CANARY)
+    result = open_nvml().scrub(first)
+    assert result.verified, result.reason
+    assert canary_bytes(node, first) <= result.bytes_unreachable
+    assert canary_bytes(node, second) == 16 * MiB
+
+
+def test_a_gpu_in_mig_mode_cannot_be_scrubbed_whole(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB])
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "MIG mode" in result.reason
+
+
+def test_a_destroyed_mig_device_fails_closed(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB])
+    mig = gpu["migs"].pop()["uuid"]
+    node.save()
+    result = open_nvml().scrub(mig)
+    assert not result.verified and "no longer exists" in result.reason and mig in result.reason
+
+
+def test_a_held_device_is_not_scrubbed(node, open_nvml):
+    gpu = node.add_gpu(processes={"compute": [[4242, MiB]], "graphics": [], "mps": []})
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "4242" in result.reason
+    assert canary_bytes(node, gpu["uuid"]) == gpu["memory"]
+
+
+def test_memory_that_does_not_take_the_zeros_fails_verification(node, open_nvml):
+    gpu = node.add_gpu()
+    node.fill(gpu["uuid"], CANARY)
+    node.data["cuda"] = {"memsetNoop": True}
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "non-zero 16-byte words" in result.reason
+    assert result.bytes_scrubbed > 0
+
+
+def test_a_cuda_error_fails_closed_with_its_name(node, open_nvml):
+    gpu = node.add_gpu()
+    node.data["cuda"] = {"fail": {"cuMemsetD8": "CUDA_ERROR_ECC_UNCORRECTABLE"}}
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified
+    assert "cuMemsetD8" in result.reason and "CUDA_ERROR_ECC_UNCORRECTABLE" in result.reason
+
+
+def test_memory_another_party_holds_leaves_the_scrub_unverified(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 8 * MiB}}
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "could not be allocated" in result.reason
+    assert result.bytes_unreachable >= 8 * MiB
+
+
+def test_a_hung_scrub_is_killed(node, open_nvml):
+    gpu = node.add_gpu()
+    node.data["cuda"] = {"hang": "cuMemsetD8"}
+    node.save()
+    result = open_nvml(scrub_timeout_s=2).scrub(gpu["uuid"])
+    assert not result.verified and "did not finish within 2s" in result.reason
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cuda") is not None, reason="real CUDA bindings installed")
+def test_a_node_without_cuda_bindings_fails_closed(node, open_nvml, tmp_path):
+    gpu = node.add_gpu()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # fakegpu stays importable for the fake pynvml in this process, but the child finds no cuda.
+    result = open_nvml(child_env={**node.env, "PYTHONPATH": str(empty)}).scrub(gpu["uuid"])
+    assert not result.verified and "scrubgate[gpu]" in result.reason
+
+
+def test_scrub_on_free_setting_comes_from_the_params_file(node, open_nvml, tmp_path):
+    node.add_gpu()
+    params = tmp_path / "params"
+    params.write_text('RegistryDwords: "RMDisableScrubOnFree=1"\n')
+    assert open_nvml(params_path=params).scrub_on_free_disabled() is True
+
+
+def test_a_scrubber_that_reports_nonsense_fails_closed(node, open_nvml, tmp_path, monkeypatch):
+    gpu = node.add_gpu()
+    liar = tmp_path / "liar.py"
+    liar.write_text('print(\'{"bytesScrubbed": "all of it", "nonzeroWords": 0}\')\n')
+    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.nvml.SCRUB_SCRIPT", liar)
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "malformed report" in result.reason
+
+
+def test_a_node_without_nvml_events_says_how_to_run_without_them(node, open_nvml):
+    node.add_gpu()
+    node.data["nvmlErrors"] = {"*": {"nvmlEventSetCreate": "NVML_ERROR_NOT_SUPPORTED"}}
+    node.save()
+    with pytest.raises(GpuError, match="watch_xids=False"):
+        open_nvml(watch_xids=True)
+    assert open_nvml().list_devices()
