@@ -51,6 +51,12 @@ class GracePeriod(_Model):
 class RuleSettings(_Model):
     action: Action
 
+    @field_validator("action", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: object) -> object:
+        # YAML 1.1 reads an unquoted `off` as false; that is what the user meant.
+        return "off" if value is False else value
+
 
 class Agent(_Model):
     identities: tuple[str, ...] = (f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}",)

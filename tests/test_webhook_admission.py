@@ -1,0 +1,479 @@
+"""The webhook over real HTTPS on 127.0.0.1, fed the API server's AdmissionReview shapes: decisions,
+messages, warnings, patches, audit records, bad input, errors inside the policy, metrics."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jsonpatch
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import build_payload, public_key_pem, sign
+from scrubgate.webhook import handlers
+from scrubgate.webhook.audit import verify_files
+from scrubgate.webhook.server import Settings
+from webhook_support import (
+    AGENT,
+    USER,
+    generated_claim,
+    gpu_claim,
+    gpu_pod,
+    make_tls_dir,
+    review,
+    running_webhook,
+    with_changes,
+)
+
+SIGNING_KEY = Ed25519PrivateKey.generate()
+ADMIN = {"username": "root-admin", "groups": ["system:masters", "system:authenticated"]}
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("webhook")
+    tls = make_tls_dir(directory / "tls")
+    policy = directory / "policy.yaml"
+    key_pem = public_key_pem(SIGNING_KEY).replace("\n", "\n      ")
+    policy.write_text(
+        "apiVersion: scrubgate.dev/v1\nkind: PolicyConfig\n"
+        "rules:\n  SG005: {action: audit}\n  SG006: {action: warn}\n"
+        f"attestationKeys:\n  - kid: node-agent-1\n    publicKey: |\n      {key_pem}\n"
+    )
+    settings = Settings(
+        tls_cert=tls.tls_cert, tls_key=tls.tls_key, policy=policy, audit_log=directory / "audit" / "audit.jsonl"
+    )
+    with running_webhook(settings, tls.ca_cert) as running:
+        running.audit_path = settings.audit_log
+        with running.client() as client:
+            running.http = client
+            yield running
+
+
+def _post(webhook, path: str, body: dict) -> dict:
+    response = webhook.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+    assert out["response"]["uid"] == body["request"]["uid"]
+    return out["response"]
+
+
+def _audit_records(webhook) -> list[dict]:
+    return [json.loads(line) for line in Path(webhook.audit_path).read_text().splitlines()]
+
+
+def _record_for(webhook, uid: str) -> dict:
+    matches = [r for r in _audit_records(webhook) if r["uid"] == uid]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+def _patch_ops(response: dict) -> list[dict]:
+    assert response["patchType"] == "JSONPatch"
+    return json.loads(base64.b64decode(response["patch"]))
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def test_a_clean_gpu_claim_is_allowed_without_a_record(webhook):
+    body = review(gpu_claim(finalizers=[names.FINALIZER]))
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is True
+    assert "warnings" not in response and "status" not in response
+    assert not [r for r in _audit_records(webhook) if r["uid"] == body["request"]["uid"]]
+
+
+def test_retain_is_denied_in_a_multi_tenant_namespace_with_the_rule_and_the_fix(webhook):
+    claim = gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
+    body = review(claim)
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is False
+    assert response["status"]["code"] == 403
+    message = response["status"]["message"]
+    assert message.startswith("scrubgate denied CREATE of ResourceClaim team-a/train-0: SG001 retain-deallocation:")
+    assert "set it to Delete" in message
+    record = _record_for(webhook, body["request"]["uid"])
+    assert record["decision"] == "deny"
+    assert record["operation"] == "CREATE" and record["kind"] == "ResourceClaim"
+    assert (record["namespace"], record["name"], record["user"]) == ("team-a", "train-0", "alice")
+    assert record["groups"] == USER["groups"]
+    assert record["dryRun"] is False
+    assert [f["rule"]["id"] for f in record["findings"]] == ["SG001"]
+    assert record["policyDigest"] == webhook.state.policy.policy.digest
+    assert record["webhook"] == "/validate"
+
+
+def test_retain_is_allowed_on_the_trusted_path(webhook):
+    claim = gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
+    assert _post(webhook, "/validate/trusted", review(claim))["allowed"] is True
+
+
+def test_a_dry_run_denial_is_recorded_as_dry_run(webhook):
+    body = review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}), dry_run=True)
+    assert _post(webhook, "/validate", body)["allowed"] is False
+    assert _record_for(webhook, body["request"]["uid"])["dryRun"] is True
+
+
+def test_warn_findings_become_short_warnings_and_are_recorded(webhook):
+    body = review(gpu_claim(adminAccess=True))  # SG006 is `warn` in this module's policy
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is True
+    assert len(response["warnings"]) == 1
+    warning = response["warnings"][0]
+    assert warning.startswith("[SG006 admin-access]") and len(warning) <= 120
+    assert _record_for(webhook, body["request"]["uid"])["decision"] == "warn"
+
+
+def test_audit_findings_allow_and_leave_a_record(webhook):
+    tolerant = gpu_claim(tolerations=[{"key": names.TAINT_UNSANITIZED, "operator": "Exists", "effect": "NoSchedule"}])
+    body = review(tolerant)  # SG005 is `audit` in this module's policy
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is True and "warnings" not in response
+    record = _record_for(webhook, body["request"]["uid"])
+    assert record["decision"] == "audit"
+    assert record["findings"][0]["rule"] == {"id": "SG005", "name": "fence-toleration"}
+
+
+def test_a_pod_sharing_a_claim_is_denied_unless_trusted(webhook):
+    pod = gpu_pod(claim_ref={"resourceClaimName": "shared-gpu"})
+    response = _post(webhook, "/validate", review(pod))
+    assert response["allowed"] is False
+    assert "SG002 shared-claim" in response["status"]["message"]
+    assert "resourceClaimTemplateName" in response["status"]["message"]
+    assert _post(webhook, "/validate/trusted", review(pod))["allowed"] is True
+
+
+def test_a_deployment_sharing_a_claim_is_denied_even_when_trusted(webhook):
+    pod = gpu_pod(claim_ref={"resourceClaimName": "shared-gpu"})
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "trainer", "namespace": "team-a"},
+        "spec": {"replicas": 2, "template": {"metadata": {}, "spec": pod["spec"]}},
+    }
+    response = _post(webhook, "/validate/trusted", review(deployment))
+    assert response["allowed"] is False and "SG002" in response["status"]["message"]
+
+
+def test_a_short_grace_period_is_denied(webhook):
+    response = _post(webhook, "/validate", review(gpu_pod(grace=0)))
+    assert response["allowed"] is False
+    assert "SG003 grace-period" in response["status"]["message"]
+
+
+def test_several_denials_are_all_named(webhook):
+    pod = gpu_pod(grace=1, claim_ref={"resourceClaimName": "shared-gpu"})
+    message = _post(webhook, "/validate", review(pod))["status"]["message"]
+    assert "SG002 shared-claim" in message and "SG003 grace-period" in message
+
+
+def test_unknown_kinds_are_allowed_untouched(webhook):
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "team-a"}}
+    for path in ("/validate", "/mutate"):
+        body = review(config_map)
+        assert _post(webhook, path, body) == {"uid": body["request"]["uid"], "allowed": True}
+
+
+# -- the finalizer guard (SG007) -----------------------------------------------------------------------
+
+DEVICE = {"driver": "gpu.nvidia.com", "pool": "node-1", "device": "gpu-0"}
+
+
+def _allocated_claim() -> dict:
+    claim = gpu_claim(
+        finalizers=[names.FINALIZER],
+        annotations={names.ANNOTATION_DEVICES: json.dumps([{**DEVICE, "uuid": "GPU-1"}])},
+    )
+    claim["status"] = {"allocation": {"devices": {"results": [{**DEVICE, "request": "gpu"}]}}}
+    return claim
+
+
+def _attestation(claim: dict, *, uid: str | None = None) -> str:
+    now = datetime.now(UTC)
+    payload = build_payload(
+        namespace=claim["metadata"]["namespace"],
+        name=claim["metadata"]["name"],
+        uid=uid or claim["metadata"]["uid"],
+        node="node-1",
+        devices=[
+            {
+                **DEVICE,
+                "uuid": "GPU-1",
+                "bytesScrubbed": 80 << 30,
+                "bytesTotal": 80 << 30,
+                "method": names.ATTESTATION_METHOD,
+                "verified": True,
+            }
+        ],
+        started_at=now,
+        finished_at=now,
+        health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
+    )
+    return sign(payload, SIGNING_KEY, "node-agent-1")
+
+
+def _released(old: dict, token: str | None) -> dict:
+    annotations = dict(old["metadata"]["annotations"], **{names.ANNOTATION_SCRUB_STATUS: names.SCRUB_VERIFIED})
+    if token is not None:
+        annotations[names.ANNOTATION_ATTESTATION] = token
+    return with_changes(old, finalizers=[], annotations=annotations)
+
+
+def test_a_user_cannot_remove_the_sanitize_finalizer(webhook):
+    old = _allocated_claim()
+    new = with_changes(old, finalizers=[])
+    body = review(new, operation="UPDATE", old=old)
+    response = _post(webhook, "/validate/trusted", body)
+    assert response["allowed"] is False
+    assert "SG007 finalizer-guard" in response["status"]["message"]
+    assert _record_for(webhook, body["request"]["uid"])["operation"] == "UPDATE"
+
+
+def test_the_agent_removes_the_finalizer_with_a_valid_attestation(webhook):
+    old = _allocated_claim()
+    body = review(_released(old, _attestation(old)), operation="UPDATE", old=old, user={"username": AGENT})
+    assert _post(webhook, "/validate", body)["allowed"] is True
+
+
+def test_an_attestation_for_another_claim_is_refused(webhook):
+    old = _allocated_claim()
+    token = _attestation(old, uid="00000000-0000-4000-8000-000000000099")
+    body = review(_released(old, token), operation="UPDATE", old=old, user={"username": AGENT})
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is False
+    assert "attestation" in response["status"]["message"]
+
+
+def test_break_glass_by_an_admin_is_allowed_and_audited(webhook):
+    old = _allocated_claim()
+    old["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "node-1 lost in a fire"
+    body = review(with_changes(old, finalizers=[]), operation="UPDATE", old=old, user=ADMIN)
+    assert _post(webhook, "/validate", body)["allowed"] is True
+    record = _record_for(webhook, body["request"]["uid"])
+    assert record["decision"] == "audit"
+    assert "break-glass" in record["findings"][0]["message"]
+
+
+# -- force delete (SG008) --------------------------------------------------------------------------------
+
+
+def _running_pod() -> dict:
+    pod = gpu_pod()
+    pod["spec"]["nodeName"] = "node-1"
+    pod["status"] = {"phase": "Running"}
+    return pod
+
+
+FORCE = {
+    "apiVersion": "meta.k8s.io/v1",
+    "kind": "DeleteOptions",
+    "gracePeriodSeconds": 0,
+    "propagationPolicy": "Background",
+}
+
+
+def test_force_delete_of_a_gpu_pod_is_denied(webhook):
+    body = review(None, operation="DELETE", old=_running_pod(), options=FORCE)
+    response = _post(webhook, "/validate", body)
+    assert response["allowed"] is False
+    assert "SG008 force-delete" in response["status"]["message"]
+    assert _record_for(webhook, body["request"]["uid"])["name"] == "trainer-7d9f"
+
+
+def test_force_delete_by_an_admin_and_graceful_delete_are_allowed(webhook):
+    assert _post(webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=FORCE, user=ADMIN))[
+        "allowed"
+    ]
+    graceful = dict(FORCE, gracePeriodSeconds=30)
+    assert _post(webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=graceful))[
+        "allowed"
+    ]
+
+
+# -- mutation --------------------------------------------------------------------------------------
+
+
+def _mutate_until_stable(webhook, obj: dict) -> tuple[dict, list[list[dict]]]:
+    """Applies the webhook's patches as the API server does, reinvoking until nothing is added."""
+    patches = []
+    for _ in range(3):
+        response = _post(webhook, "/mutate", review(obj))
+        assert response["allowed"] is True
+        if "patch" not in response:
+            return obj, patches
+        ops = _patch_ops(response)
+        assert {op["op"] for op in ops} == {"add"}
+        patches.append(ops)
+        obj = jsonpatch.apply_patch(obj, ops)
+    raise AssertionError(f"mutation did not settle: {patches}")
+
+
+def test_a_generated_claim_gets_the_finalizer_once(webhook):
+    claim = generated_claim()
+    result, patches = _mutate_until_stable(webhook, claim)
+    assert len(patches) == 1
+    assert result["metadata"]["finalizers"] == [names.FINALIZER]
+    assert result["metadata"]["ownerReferences"] == claim["metadata"]["ownerReferences"]
+    assert "name" not in result["metadata"]
+
+
+def test_the_finalizer_is_appended_to_the_users_finalizers(webhook):
+    result, patches = _mutate_until_stable(webhook, gpu_claim(finalizers=["example.com/keep"]))
+    assert patches == [[{"op": "add", "path": "/metadata/finalizers/-", "value": names.FINALIZER}]]
+    assert result["metadata"]["finalizers"] == ["example.com/keep", names.FINALIZER]
+
+
+def test_a_pod_without_grace_period_gets_the_default(webhook):
+    pod = gpu_pod(grace=None)
+    result, patches = _mutate_until_stable(webhook, pod)
+    assert len(patches) == 1
+    assert result["spec"]["terminationGracePeriodSeconds"] == 60
+    assert result["spec"]["containers"] == pod["spec"]["containers"]
+
+
+def test_a_users_grace_period_is_kept_and_updates_are_not_mutated(webhook):
+    assert "patch" not in _post(webhook, "/mutate", review(gpu_pod(grace=45)))
+    claim = gpu_claim(finalizers=[])
+    assert "patch" not in _post(webhook, "/mutate", review(claim, operation="UPDATE", old=claim))
+
+
+def test_a_non_gpu_claim_is_not_mutated(webhook):
+    claim = gpu_claim()
+    claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "fpga.example.com"
+    assert "patch" not in _post(webhook, "/mutate", review(claim))
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def _refused(response, status: int, fragment: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["response"]["allowed"] is False
+    assert fragment in body["response"]["status"]["message"]
+
+
+def test_bad_envelopes_are_refused_with_400(webhook):
+    good = review(gpu_claim())
+    no_uid = copy.deepcopy(good)
+    del no_uid["request"]["uid"]
+    old_version = dict(good, apiVersion="admission.k8s.io/v1beta1")
+    wrong_kind = dict(good, kind="ConversionReview")
+    lying = copy.deepcopy(good)
+    lying["request"]["object"]["kind"] = "ConfigMap"
+    bad_annotations = copy.deepcopy(good)
+    bad_annotations["request"]["object"]["metadata"]["annotations"] = {names.ANNOTATION_DEALLOCATION_POLICY: 1}
+    no_old = review(gpu_claim(), operation="UPDATE", old=gpu_claim())
+    no_old["request"]["oldObject"] = None
+    cases = [
+        (b"{not json", "malformed JSON"),
+        (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).encode(), "request"),
+        (json.dumps(no_uid).encode(), "request.uid"),
+        (json.dumps(old_version).encode(), "apiVersion"),
+        (json.dumps(wrong_kind).encode(), "kind"),
+        (json.dumps(lying).encode(), "but request.kind is"),
+        (json.dumps(bad_annotations).encode(), "metadata.annotations is not a map of strings"),
+        (json.dumps(no_old).encode(), "no request.oldObject"),
+        (b"[]", "AdmissionReview"),
+    ]
+    for body, fragment in cases:
+        response = webhook.http.post("/validate", content=body, headers={"content-type": "application/json"})
+        _refused(response, 400, fragment)
+
+
+def test_admission_paths_take_only_post(webhook):
+    response = webhook.http.get("/validate")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+
+
+def test_a_wrong_content_type_is_refused_with_415(webhook):
+    body = json.dumps(review(gpu_claim())).encode()
+    response = webhook.http.post("/validate", content=body, headers={"content-type": "text/plain"})
+    _refused(response, 415, "application/json")
+
+
+def test_an_oversized_body_is_refused_with_413(webhook):
+    state = webhook.state
+    limit, state.max_body_bytes = state.max_body_bytes, 4096
+    try:
+        big = review(gpu_claim(annotations={"example.com/blob": "x" * 8192}))
+        response = webhook.http.post("/mutate", json=big)
+        _refused(response, 413, "exceeds the limit of 4096 bytes")
+
+        def chunks():  # no Content-Length: the limit holds while streaming
+            for _ in range(8):
+                yield b" " * 1024
+
+        response = webhook.http.post("/mutate", content=chunks(), headers={"content-type": "application/json"})
+        _refused(response, 413, "exceeds the limit")
+    finally:
+        state.max_body_bytes = limit
+
+
+# -- errors inside the policy and the audit log ----------------------------------------------------------
+
+
+def test_an_exception_inside_a_rule_is_an_errored_refusal(webhook, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(handlers, "validate", broken)
+    monkeypatch.setattr(handlers, "default", broken)
+    for path in ("/validate", "/mutate"):
+        response = _post(webhook, path, review(gpu_claim()))
+        assert response["allowed"] is False
+        assert response["status"]["code"] == 500
+        assert "could not evaluate ResourceClaim team-a/train-0" in response["status"]["message"]
+
+
+def test_an_unwritable_audit_log_refuses_warned_requests_but_keeps_denials(webhook):
+    class Broken:
+        ready = False  # as an AuditLog whose writer thread died
+
+        async def append(self, fields):
+            raise OSError(28, "No space left on device")
+
+    state = webhook.state
+    sink, state.audit = state.audit, Broken()
+    try:
+        warned = _post(webhook, "/validate", review(gpu_claim(adminAccess=True)))
+        assert warned["allowed"] is False and warned["status"]["code"] == 500
+        assert "audit log" in warned["status"]["message"]
+        denied = _post(
+            webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}))
+        )
+        assert denied["allowed"] is False and denied["status"]["code"] == 403
+        readiness = webhook.http.get("/readyz")
+        assert readiness.status_code == 503 and "audit log writer" in readiness.text
+    finally:
+        state.audit = sink
+
+
+# -- operations --------------------------------------------------------------------------------------
+
+
+def test_health_readiness_and_metrics(webhook):
+    assert webhook.http.get("/healthz").status_code == 200
+    assert webhook.http.get("/readyz").json() == {"status": "ready"}
+    _post(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
+    text = webhook.http.get("/metrics").text
+    assert (
+        'scrubgate_admission_requests_total{decision="deny",kind="ResourceClaim",operation="CREATE",webhook="/validate"}'
+        in text
+    )
+    assert 'scrubgate_rule_hits_total{action="deny",rule="SG001"}' in text
+    assert "scrubgate_admission_duration_seconds_bucket" in text
+    assert f'scrubgate_policy_info{{digest="{webhook.state.policy.policy.digest}"}} 1.0' in text
+
+
+def test_the_audit_log_of_this_module_verifies(webhook):
+    _post(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
+    result = verify_files([webhook.audit_path])
+    assert result.intact, result.problem
+    assert result.starts_at_genesis and result.records == len(_audit_records(webhook))

@@ -1,0 +1,91 @@
+"""`scrubgate webhook` as a process: starts from its arguments, serves, logs JSON, stops cleanly on
+SIGTERM; refuses to start without a usable policy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+
+import httpx
+from scrubgate.webhook.cli import add_arguments
+from webhook_support import gpu_claim, make_tls_dir, review
+
+# What the lead's `scrubgate webhook` does: parse with add_arguments, call run.
+ENTRY = (
+    "import argparse, sys\n"
+    "from scrubgate.webhook.cli import add_arguments, run\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_arguments(parser)\n"
+    "sys.exit(run(parser.parse_args(sys.argv[1:])))\n"
+)
+
+
+def _command(tls, *extra: str) -> list[str]:
+    return [sys.executable, "-c", ENTRY, "--tls-cert", str(tls.tls_cert), "--tls-key", str(tls.tls_key), *extra]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_arguments_and_defaults():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tls-cert", "c", "--tls-key", "k"])
+    assert (args.port, args.host, args.policy, args.audit_log, args.client_ca) == (8443, "0.0.0.0", None, None, None)
+
+
+def test_the_webhook_process_serves_and_stops_cleanly(tmp_path):
+    tls = make_tls_dir(tmp_path / "tls")
+    port = _free_port()
+    audit = tmp_path / "audit.jsonl"
+    process = subprocess.Popen(
+        _command(tls, "--host", "127.0.0.1", "--port", str(port), "--audit-log", str(audit)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        context = ssl.create_default_context(cafile=str(tls.ca_cert))
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=context, timeout=5) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None and time.monotonic() < deadline, "the webhook did not become ready"
+                time.sleep(0.1)
+            body = review(gpu_claim(annotations={"scrubgate.dev/deallocation-policy": "Retain"}))
+            assert client.post("/validate", json=body).json()["response"]["allowed"] is False
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    logs = [json.loads(line) for line in stderr.splitlines() if line.strip()]
+    assert any(entry["message"].startswith("serving admission on https://127.0.0.1") for entry in logs)
+    assert any(entry["logger"] == "scrubgate.webhook.app" and entry["message"].startswith("deny") for entry in logs)
+    assert json.loads(audit.read_text().splitlines()[-1])["uid"] == body["request"]["uid"]
+
+
+def test_the_webhook_refuses_to_start_with_a_bad_policy(tmp_path):
+    tls = make_tls_dir(tmp_path / "tls")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  SG001: {action: maybe}\n")
+    result = subprocess.run(
+        _command(tls, "--host", "127.0.0.1", "--port", str(_free_port()), "--policy", str(policy)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    message = json.loads(result.stderr.splitlines()[-1])["message"]
+    assert message.startswith("cannot start the webhook:") and "rules.SG001.action" in message

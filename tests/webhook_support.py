@@ -1,0 +1,197 @@
+"""Shared helpers of the webhook tests: certificates, a real server on 127.0.0.1, API-server-shaped
+AdmissionReviews. Plain functions (no fixtures) so that each test module owns its server's scope."""
+
+from __future__ import annotations
+
+import copy
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from scrubgate.certs.generate import TlsFiles, generate_ca, issue_serving_cert, write_tls_dir
+from scrubgate.webhook.app import create_app
+from scrubgate.webhook.server import Settings, build, build_server
+
+SANS = ["scrubgate-webhook.scrubgate-system.svc", "localhost", "127.0.0.1"]
+
+
+def make_tls_dir(directory: Path) -> TlsFiles:
+    ca = generate_ca()
+    return write_tls_dir(directory, ca, issue_serving_cert(ca, SANS))
+
+
+@dataclass
+class RunningWebhook:
+    url: str
+    port: int
+    ca_file: Path
+    state: Any
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        return httpx.Client(base_url=self.url, verify=context, timeout=10, **kwargs)
+
+
+@contextmanager
+def running_webhook(settings: Settings, ca_file: Path) -> Iterator[RunningWebhook]:
+    """The real app and uvicorn stack with TLS, on an ephemeral loopback port, in a thread."""
+    state, audit = build(settings)
+    server = build_server(create_app(state), state.tls.context, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, name="webhook-under-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the webhook under test did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningWebhook(f"https://127.0.0.1:{port}", port, ca_file, state)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        if audit is not None:
+            audit.close()
+
+
+# -- API-server-shaped payloads -------------------------------------------------------------------
+
+USER = {"username": "alice", "uid": "u-1", "groups": ["team-a", "system:authenticated"]}
+AGENT = "system:serviceaccount:scrubgate-system:scrubgate-agent"
+
+_RESOURCES = {
+    "Pod": ("", "v1", "pods"),
+    "ResourceClaim": ("resource.k8s.io", "v1", "resourceclaims"),
+    "ResourceClaimTemplate": ("resource.k8s.io", "v1", "resourceclaimtemplates"),
+    "Deployment": ("apps", "v1", "deployments"),
+    "ConfigMap": ("", "v1", "configmaps"),
+}
+
+
+def review(
+    obj: dict[str, Any] | None,
+    *,
+    operation: str = "CREATE",
+    old: dict[str, Any] | None = None,
+    user: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    options: dict[str, Any] | None = None,
+    uid: str | None = None,
+) -> dict[str, Any]:
+    """An AdmissionReview as kube-apiserver sends it (admission.k8s.io/v1, every field it fills)."""
+    subject = obj if obj is not None else old
+    assert subject is not None
+    kind = subject["kind"]
+    group, version, resource = _RESOURCES[kind]
+    meta = subject.get("metadata", {})
+    if options is None:
+        options = {"apiVersion": "meta.k8s.io/v1", "kind": f"{operation.capitalize()}Options"}
+    request = {
+        "uid": uid or str(uuid.uuid4()),
+        "kind": {"group": group, "version": version, "kind": kind},
+        "resource": {"group": group, "version": version, "resource": resource},
+        "requestKind": {"group": group, "version": version, "kind": kind},
+        "requestResource": {"group": group, "version": version, "resource": resource},
+        "name": meta.get("name", ""),
+        "namespace": meta.get("namespace", ""),
+        "operation": operation,
+        "userInfo": user or USER,
+        "object": obj,
+        "oldObject": old,
+        "dryRun": dry_run,
+        "options": options,
+    }
+    request = copy.deepcopy(request)  # callers may mutate the review; shared constants stay intact
+    if not request["name"]:
+        del request["name"]  # generateName: the API server sends no name
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+
+
+def gpu_claim(
+    name: str | None = "train-0",
+    namespace: str = "team-a",
+    *,
+    annotations: dict[str, str] | None = None,
+    finalizers: list[str] | None = None,
+    uid: str = "c1a1m000-0000-4000-8000-000000000001",
+    **request_fields: Any,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"namespace": namespace, "uid": uid, "creationTimestamp": "2025-01-01T00:00:00Z"}
+    if name:
+        meta["name"] = name
+    else:
+        meta["generateName"] = "trainer-7d9f-gpu-"
+    if annotations:
+        meta["annotations"] = annotations
+    if finalizers is not None:
+        meta["finalizers"] = finalizers
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com", **request_fields}}]
+            }
+        },
+    }
+
+
+def generated_claim(pod_name: str = "trainer-7d9f", namespace: str = "team-a") -> dict[str, Any]:
+    """A claim as the resourceclaim controller creates it from a pod's template: generateName, no name,
+    the pod as controlling owner and the pod-claim-name annotation."""
+    claim = gpu_claim(None, namespace)
+    claim["metadata"].pop("uid")
+    claim["metadata"]["generateName"] = f"{pod_name}-gpu-"
+    claim["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "gpu"}
+    claim["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": pod_name,
+            "uid": "p0d00000-0000-4000-8000-000000000001",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    return claim
+
+
+def gpu_pod(
+    name: str = "trainer-7d9f",
+    namespace: str = "team-a",
+    *,
+    grace: int | None = 30,
+    claim_ref: dict[str, str] | None = None,
+    tolerations: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "containers": [
+            {"name": "main", "image": "registry.example/trainer:1", "resources": {"claims": [{"name": "gpu"}]}}
+        ],
+        "resourceClaims": [{"name": "gpu", **(claim_ref or {"resourceClaimTemplateName": "one-gpu"})}],
+        "restartPolicy": "Never",
+    }
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    if tolerations is not None:
+        spec["tolerations"] = tolerations
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": "p0d00000-0000-4000-8000-000000000001"},
+        "spec": spec,
+    }
+
+
+def with_changes(obj: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(obj)
+    changed["metadata"].update(metadata)
+    return changed

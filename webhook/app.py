@@ -1,0 +1,258 @@
+"""The FastAPI application: routes, audit, metrics and readiness around the handlers.
+
+Tenancy without API calls: the API server does not send namespace labels, so the
+ValidatingWebhookConfiguration has two webhooks split by a namespaceSelector on
+`scrubgate.dev/tenancy`: namespaces labelled trusted call `/validate/trusted`, every other namespace
+calls `/validate`. The path is the only source of trust; `/validate` is multi-tenant (fail closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Response
+from scrubgate.policies.attestation import rfc3339
+from scrubgate.policies.config import PolicyConfig
+from starlette.types import Receive, Scope, Send
+
+from . import handlers, responses
+from .defaults import MAX_BODY_BYTES
+from .handlers import Outcome
+from .metrics import CONTENT_TYPE, Metrics
+from .policy_reload import PolicySource
+from .review import AdmissionRequest
+from .tls import ServingTLS
+from .transport import TransportError, check_content_type, decode, encode, encode_error, read_body
+
+log = logging.getLogger(__name__)
+audit_log = logging.getLogger("scrubgate.audit")
+
+JSON = "application/json"
+# Set per TLS connection by server.py when a client certificate verified against --client-ca.
+CLIENT_VERIFIED = "scrubgate_client_verified"
+
+
+class AuditSink(Protocol):
+    @property
+    def ready(self) -> bool: ...
+
+    async def append(self, fields: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+
+class LogAuditSink:
+    """Without --audit-log, records go to the structured log only: unchained, as durable as the log."""
+
+    ready = True
+
+    async def append(self, fields: Mapping[str, Any]) -> Mapping[str, Any]:
+        audit_log.info("audit record", extra={"audit": dict(fields)})
+        return fields
+
+
+@dataclass
+class WebhookState:
+    policy: PolicySource
+    metrics: Metrics
+    tls: ServingTLS
+    audit: AuditSink
+    max_body_bytes: int = MAX_BODY_BYTES
+    require_client_cert: bool = False
+    watch_interval: float = 2.0
+
+
+def audit_fields(request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig, webhook: str) -> dict[str, Any]:
+    meta = (request.object or request.old_object or {}).get("metadata") or {}
+    return {
+        "time": rfc3339(datetime.now(UTC)),
+        "uid": request.uid,
+        "webhook": webhook,
+        "operation": request.operation,
+        "apiVersion": request.kind.api_version,
+        "kind": request.kind.kind,
+        "namespace": request.namespace,
+        "name": request.name or meta.get("name") or "",
+        "generateName": meta.get("generateName") or "",
+        "user": request.user_info.username,
+        "groups": list(request.user_info.groups),
+        "decision": outcome.decision,
+        "dryRun": request.dry_run,
+        "findings": [finding.to_dict() for finding in outcome.findings],
+        "policyDigest": policy.digest,
+    }
+
+
+Handler = Callable[[AdmissionRequest, PolicyConfig], Outcome]
+
+
+class AdmissionEndpoint:
+    """POST handler of one admission path: decode, decide, audit, measure, answer."""
+
+    def __init__(self, state: WebhookState, webhook: str, handler: Handler) -> None:
+        self.state, self.webhook, self.handler = state, webhook, handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status, body = await self.admit(scope, receive)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def admit(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        state, metrics, webhook = self.state, self.state.metrics, self.webhook
+        started = time.perf_counter()
+        try:
+            if state.require_client_cert and not scope.get("state", {}).get(CLIENT_VERIFIED):
+                raise TransportError(403, "a client certificate signed by the configured client CA is required")
+            headers = dict(scope["headers"])
+            check_content_type(_latin1(headers.get(b"content-type")))
+            body = await read_body(_latin1(headers.get(b"content-length")), receive, state.max_body_bytes)
+            request = decode(body)
+        except TransportError as err:
+            metrics.count(webhook, "", "", "invalid", time.perf_counter() - started)
+            log.warning(
+                "refused a malformed admission request on %s: %s", webhook, err.message, extra={"status": err.status}
+            )
+            return err.status, encode_error(err)
+
+        policy = state.policy.policy
+        try:
+            outcome = self.handler(request, policy)
+        except Exception as exc:
+            log.exception(
+                "policy evaluation failed for %s %s (uid %s); refusing it (fail closed)",
+                request.operation,
+                handlers.describe(request),
+                request.uid,
+            )
+            outcome = Outcome(
+                responses.errored(
+                    request.uid,
+                    f"scrubgate could not evaluate {handlers.describe(request)} ({type(exc).__name__}: {exc}); "
+                    "the request is refused until the webhook can evaluate it; see the webhook's logs",
+                ),
+                "error",
+            )
+        for finding in outcome.findings:
+            metrics.rule_hits.labels(finding.rule, finding.action).inc()
+        if outcome.audited:
+            outcome = await self._audit(request, outcome, policy)
+        metrics.count(webhook, request.operation, request.kind.kind, outcome.decision, time.perf_counter() - started)
+        if outcome.decision in ("deny", "warn", "audit"):
+            log.info(
+                "%s %s %s: %s",
+                outcome.decision,
+                request.operation,
+                handlers.describe(request),
+                ", ".join(f"{f.rule}/{f.action}" for f in outcome.findings),
+                extra={"uid": request.uid, "user": request.user_info.username, "dry_run": request.dry_run},
+            )
+        return 200, encode(outcome.response)
+
+    async def _audit(self, request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig) -> Outcome:
+        fields = audit_fields(request, outcome, policy, self.webhook)
+        try:
+            await self.state.audit.append(fields)
+        except Exception as exc:
+            self.state.metrics.audit_write_errors.inc()
+            log.error(
+                "audit record for %s (uid %s) could not be written: %s; record follows in this log",
+                handlers.describe(request),
+                request.uid,
+                exc,
+                extra={"audit": fields},
+            )
+            if outcome.decision == "deny":
+                return outcome  # still refused; the record survives in the log line above
+            # An allow must not go unrecorded: refuse until the audit log can be written.
+            return Outcome(
+                responses.errored(request.uid, f"scrubgate cannot write its audit log ({exc}); request refused"),
+                "error",
+                outcome.findings,
+            )
+        self.state.metrics.audit_records.inc()
+        return outcome
+
+
+def _latin1(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
+
+
+class WebhookApp(FastAPI):
+    """FastAPI for the operational endpoints; the admission paths go straight to their AdmissionEndpoint.
+    FastAPI's middleware, request parsing and dependency machinery cost more than the policy itself on
+    that hot path (bench/webhook_load.py); the endpoints answer every error themselves."""
+
+    admission: Mapping[str, AdmissionEndpoint] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.admission.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+        elif scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 405, "headers": [(b"allow", b"POST")]})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await endpoint(scope, receive, send)
+
+
+def create_app(state: WebhookState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watchers = [
+            asyncio.create_task(state.policy.watch(state.watch_interval)),
+            asyncio.create_task(state.tls.watch(state.watch_interval)),
+        ]
+        try:
+            yield
+        finally:
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    app = WebhookApp(
+        title="scrubgate admission webhook", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.admission = {
+        "/validate": AdmissionEndpoint(state, "/validate", partial(handlers.handle_validate, trusted=False)),
+        "/validate/trusted": AdmissionEndpoint(
+            state, "/validate/trusted", partial(handlers.handle_validate, trusted=True)
+        ),
+        "/mutate": AdmissionEndpoint(state, "/mutate", handlers.handle_mutate),
+    }
+    metrics = state.metrics
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type=JSON)
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        # Policy and certificate are loaded before the server starts (it refuses to start otherwise); what
+        # can fail later is the audit writer, without which no deny or warn can be answered.
+        problems = []
+        if not state.tls.loaded:
+            problems.append("no serving certificate loaded")
+        if not state.audit.ready:
+            problems.append("the audit log writer is not running")
+        if problems:
+            return Response(json.dumps({"status": "not ready", "problems": problems}), 503, media_type=JSON)
+        return Response(b'{"status":"ready"}', media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,95 @@
+"""Admission decisions: an AdmissionRequest and the policy in, an AdmissionResponse and the findings out.
+
+Pure functions over the policy core; transport.py decodes, app.py wires, audits and measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scrubgate.policies.config import PolicyConfig
+from scrubgate.policies.engine import Admission, default, is_known, validate
+from scrubgate.policies.findings import Finding
+
+from . import responses
+from .review import AdmissionRequest, AdmissionResponse
+
+Decision = Literal["allow", "deny", "warn", "audit", "patch", "error"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    response: AdmissionResponse
+    decision: Decision
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def audited(self) -> bool:
+        """DESIGN.md: a record for every deny, warn and audit decision."""
+        return self.decision in ("deny", "warn", "audit")
+
+
+def describe(request: AdmissionRequest) -> str:
+    """`Kind namespace/name` of the request's object, for messages and logs."""
+    name = request.name or _generate_name(request) or "<unnamed>"
+    return f"{request.kind.kind} {request.namespace}/{name}" if request.namespace else f"{request.kind.kind} {name}"
+
+
+def _generate_name(request: AdmissionRequest) -> str:
+    meta = (request.object or {}).get("metadata") or {}
+    generate_name = meta.get("generateName")
+    return f"{generate_name}<generated>" if generate_name else ""
+
+
+def _label(finding: Finding) -> str:
+    return f"{finding.rule} {finding.name}"
+
+
+def _deny_message(request: AdmissionRequest, denials: list[Finding]) -> str:
+    fixes = "; ".join(f"{_label(finding)}: {finding.message}" for finding in denials)
+    return f"scrubgate denied {request.operation} of {describe(request)}: {fixes}"
+
+
+def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted: bool) -> Outcome:
+    """SG001-SG008 on the request; `trusted` comes from the webhook path (the namespaceSelector split),
+    never from the request, so a namespace the webhook cannot place is multi-tenant."""
+    subject = request.old_object if request.operation == "DELETE" else request.object
+    if not is_known(subject):
+        return Outcome(responses.allowed(request.uid), "allow")
+    admission = Admission(
+        operation=request.operation,
+        username=request.user_info.username,
+        groups=request.user_info.groups,
+        old_object=request.old_object,
+        options=request.options,
+        dry_run=request.dry_run,
+    )
+    findings = validate(request.object, policy, trusted=trusted, admission=admission)
+    denials = [finding for finding in findings if finding.action == "deny"]
+    warnings = [f"[{_label(finding)}] {finding.message}" for finding in findings if finding.action == "warn"]
+    if denials:
+        return Outcome(
+            responses.denied(request.uid, _deny_message(request, denials), warnings=warnings), "deny", findings
+        )
+    if warnings:
+        return Outcome(responses.allowed(request.uid, warnings), "warn", findings)
+    if findings:
+        return Outcome(responses.allowed(request.uid), "audit", findings)
+    return Outcome(responses.allowed(request.uid), "allow")
+
+
+def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
+    """SG004 finalizer and SG003 default grace period on CREATE. The engine patches only what is absent,
+    so a reinvocation (reinvocationPolicy: IfNeeded) adds nothing twice."""
+    if request.operation != "CREATE" or not is_known(request.object):
+        return Outcome(responses.allowed(request.uid), "allow")
+    findings = default(request.object, policy, request.operation)
+    ops = [op for finding in findings for op in finding.patch]
+    unsafe = [op for op in ops if op.get("op") != "add"]
+    if unsafe:
+        # Mutation may only add: a replace or remove could undo what the user or another webhook set.
+        raise ValueError(f"policy produced non-add patch operations {unsafe!r} for {describe(request)}")
+    if not ops:
+        return Outcome(responses.allowed(request.uid), "allow", findings)
+    return Outcome(responses.patched(request.uid, ops), "patch", findings)

@@ -1,0 +1,159 @@
+"""Runs the webhook: uvicorn, one worker, TLS from ServingTLS, structured JSON logs."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import signal
+import ssl
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from scrubgate.policies.attestation import rfc3339
+from scrubgate.policies.config import PolicyError
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from . import defaults
+from .app import CLIENT_VERIFIED, LogAuditSink, WebhookState, create_app
+from .audit import AuditLog, AuditLogError
+from .metrics import Metrics
+from .policy_reload import PolicySource
+from .tls import ServingTLS, TLSConfigError
+
+log = logging.getLogger("scrubgate.webhook")
+
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",  # uvicorn's ANSI-coloured duplicate of the message
+}
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the record's `extra` fields, exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": rfc3339(datetime.fromtimestamp(record.created, UTC)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update((key, value) for key, value in vars(record).items() if key not in _STANDARD_ATTRS)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+class VerifiedClientH11Protocol(H11Protocol):
+    """Marks each request of a connection whose client certificate verified against --client-ca (the
+    TLS layer asks for one but lets probes through without); the app requires the mark on admission paths."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if transport.get_extra_info("peercert"):
+            self.app_state = {**self.app_state, CLIENT_VERIFIED: True}
+
+
+def build_server(app: Any, context: ssl.SSLContext, host: str, port: int) -> uvicorn.Server:
+    """uvicorn on one worker with `context`; the benchmark's no-op endpoint uses this same stack."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ssl_context_factory=lambda _config, _default: context,
+        http=VerifiedClientH11Protocol,
+        workers=1,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        lifespan="on",
+    )
+    # Everything alive now (modules, policy, app) is permanent: keep the collector from rescanning it
+    # under load, which shows in the latency tail.
+    gc.freeze()
+    return uvicorn.Server(config)
+
+
+@dataclass(frozen=True)
+class Settings:
+    tls_cert: Path
+    tls_key: Path
+    host: str = defaults.HOST
+    port: int = defaults.PORT
+    policy: Path | None = None
+    audit_log: Path | None = None
+    audit_max_bytes: int = defaults.AUDIT_MAX_BYTES
+    audit_backups: int = defaults.AUDIT_BACKUPS
+    client_ca: Path | None = None
+    watch_interval: float = 2.0
+
+
+def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
+    """Loads policy and certificate and opens the audit log; raises PolicyError, TLSConfigError,
+    AuditLogError or ValueError with a message for the operator."""
+    metrics = Metrics()
+    policy = PolicySource(settings.policy, metrics)
+    tls = ServingTLS(settings.tls_cert, settings.tls_key, client_ca=settings.client_ca, metrics=metrics)
+    audit = None
+    if settings.audit_log is not None:
+        audit = AuditLog(settings.audit_log, max_bytes=settings.audit_max_bytes, backups=settings.audit_backups)
+        audit.open()
+    state = WebhookState(
+        policy=policy,
+        metrics=metrics,
+        tls=tls,
+        audit=audit if audit is not None else LogAuditSink(),
+        require_client_cert=settings.client_ca is not None,
+        watch_interval=settings.watch_interval,
+    )
+    return state, audit
+
+
+def serve(settings: Settings) -> int:
+    configure_logging()
+    try:
+        state, audit = build(settings)
+    except (PolicyError, TLSConfigError, AuditLogError, ValueError) as exc:
+        log.error("cannot start the webhook: %s", exc)
+        return 2
+    if audit is None:
+        log.warning("no --audit-log given: audit records go to this log only, without the hash chain")
+    server = build_server(create_app(state), state.tls.context, settings.host, settings.port)
+    log.info(
+        "serving admission on https://%s:%d (policy %s)",
+        settings.host,
+        settings.port,
+        state.policy.policy.digest,
+        extra={"audit_log": str(settings.audit_log) if settings.audit_log else None},
+    )
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: turn that into a
+    # normal exit so the audit log is closed (its records are already on disk either way).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        server.run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        if audit is not None:
+            audit.close()
+    return 0 if server.started else 1
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
