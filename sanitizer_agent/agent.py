@@ -1,0 +1,401 @@
+"""The node agent: sees allocations on its node, fences them, and tears them down when they are released.
+
+Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), this
+node's ResourceSlices (to map DRA devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared
+while the agent was away), the agent's own checkpoint, and operator rescrub requests. Everything that
+changes state goes through the TeardownEngine; this module decides *when*.
+
+Start-up order matters: every device that may be dirty is fenced before anything else happens, so a
+restarted agent never lifts a fence while another device it owes a scrub still stands unfenced.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scrubgate.policies import names
+
+from . import nvidia, rescrub
+from .checkpoint import CheckpointStore, ClaimRef, State, Teardown
+from .claims import (
+    DeviceKey,
+    SliceDevice,
+    allocated_devices,
+    created_at,
+    pod_claim_names,
+    pod_finished,
+    recorded_devices,
+    release_reason,
+    scrub_status,
+    slice_devices,
+)
+from .fences import Fencer
+from .gpu import GpuBackend
+from .kube import ClusterClient, ClusterError, with_retries
+from .metrics import AgentMetrics
+from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, TransitionHook
+
+log = logging.getLogger(__name__)
+
+FINISHED_POD_MEMORY_S = 3600.0
+SLICE_REFRESH_S = 5.0
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node: str
+    teardown: TeardownSettings = field(default_factory=TeardownSettings)
+    nvidia_checkpoint: Path | None = nvidia.DEFAULT_PATH
+    rescrub_dir: Path | None = None
+    drain_poll_s: float = 0.05
+    resync_s: float = 30.0
+    watch_timeout_s: int = 300
+    api_backoff_s: float = 1.0
+    api_backoff_max_s: float = 60.0
+    # /healthz fails when the loop has not come round for this long (a scrub of a big GPU takes a while).
+    liveness_s: float = 600.0
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        cluster: ClusterClient,
+        backend: GpuBackend,
+        store: CheckpointStore,
+        signer: Signer,
+        metrics: AgentMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        on_transition: TransitionHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node = settings.node
+        self.cluster = cluster
+        self.backend = backend
+        self.store = store
+        self.signer = signer
+        self.metrics = metrics or AgentMetrics()
+        self.clock = clock
+        self.on_transition = on_transition
+        self._engine: TeardownEngine | None = None
+        self._slices: dict[DeviceKey, SliceDevice] = {}
+        self._slices_read = float("-inf")
+        self._finished_pods: dict[str, float] = {}  # pod UID -> when seen terminal or deleted
+        self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
+        self._last_tick: float | None = None
+
+    @property
+    def engine(self) -> TeardownEngine:
+        if self._engine is None:
+            raise RuntimeError("Agent.start() has not run")
+        return self._engine
+
+    # ---------------------------------------------------------------- start-up
+
+    def start(self) -> None:
+        """Loads the checkpoint, picks the fence, and fences everything that may be dirty."""
+        self.store.load()
+        version = with_retries("DeviceTaintRule discovery", self.cluster.device_taint_rule_version)
+        fencer = Fencer(self.cluster, self.node, version, self.metrics)
+        self._engine = TeardownEngine(
+            node=self.node,
+            store=self.store,
+            backend=self.backend,
+            cluster=self.cluster,
+            fencer=fencer,
+            signer=self.signer,
+            metrics=self.metrics,
+            settings=self.settings.teardown,
+            clock=self.clock,
+            on_transition=self.on_transition,
+        )
+        if version:
+            log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
+        self._refresh_slices()
+        owed = [td for td in self.store.teardowns.values() if td.state in FENCED_STATES]
+        if owed:
+            log.info("node %s: checkpoint owes %d teardown(s); re-fencing them first", self.node, len(owed))
+        for td in owed:
+            self._guarded(td, lambda td=td: self.engine.ensure_fenced(td))
+        if self.settings.nvidia_checkpoint is not None:
+            for prepared in nvidia.read_prepared_claims(self.settings.nvidia_checkpoint):
+                self._adopt_prepared(prepared)
+        pods, _ = with_retries(f"list pods on {self.node}", lambda: self.cluster.list_node_pods(self.node))
+        for pod in pods:
+            self.observe_pod("SYNC", pod)
+        self._check_releases()
+
+    def _refresh_slices(self) -> None:
+        self._slices_read = time.monotonic()
+        try:
+            self._slices = slice_devices(self.cluster.list_node_slices(self.node))
+        except ClusterError as exc:
+            log.warning("cannot list ResourceSlices of node %s (%s); keeping the last known devices", self.node, exc)
+
+    def _slice(self, key: DeviceKey) -> SliceDevice | None:
+        """The device in this node's slices; an unknown one re-reads them (at most every few seconds, since
+        claims on this node may also hold devices of other nodes or drivers)."""
+        if key not in self._slices and time.monotonic() - self._slices_read > SLICE_REFRESH_S:
+            self._refresh_slices()
+        return self._slices.get(key)
+
+    def _adopt_prepared(self, prepared: nvidia.PreparedClaim) -> None:
+        """A claim NVIDIA's driver still has prepared: fence its devices, and tear down if it is gone."""
+        if prepared.uid in self.store.teardowns:
+            return
+        devices: dict[DeviceKey, str | None] = {}
+        for key, uuid in prepared.devices.items():
+            known = self._slice(key)
+            devices[key] = uuid or (known.uuid if known else None)
+        by_uuid = {d.uuid: k for k, d in self._slices.items() if d.uuid}
+        for uuid in prepared.loose_uuids:
+            if uuid in by_uuid:
+                devices.setdefault(by_uuid[uuid], uuid)
+            else:
+                log.error(
+                    "NVIDIA's checkpoint shows GPU %s prepared for claim %s, but no ResourceSlice of node %s names "
+                    "it: cannot fence it with a device taint; check the GPU before reusing it",
+                    uuid,
+                    prepared.uid,
+                    self.node,
+                )
+        if not devices:
+            return
+        ref = ClaimRef(namespace=prepared.namespace, name=prepared.name, uid=prepared.uid)
+        log.warning("claim %s: prepared in NVIDIA's checkpoint but unknown to the agent; fencing it", ref)
+        td = self._begin(ref, list(devices.items()), source="nvidia-checkpoint")
+        if td is not None:
+            self._guarded(td, lambda: self._check_release(td))
+
+    # ---------------------------------------------------------------- events
+
+    def observe_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        """A pod on this node was listed, added, modified or deleted."""
+        meta = pod.get("metadata") or {}
+        namespace, uid = meta.get("namespace") or "", meta.get("uid") or ""
+        finished = kind == "DELETED" or pod_finished(pod)
+        if finished and uid:
+            self._finished_pods[uid] = self.clock()
+        for name in pod_claim_names(pod):
+            known = self._find(namespace, name)
+            if known is not None and known.state == State.ALLOCATED and not finished:
+                continue
+            try:
+                claim = self.cluster.get_claim(namespace, name)
+            except ClusterError as exc:
+                log.warning("cannot get claim %s/%s of pod %s: %s; the next resync retries", namespace, name, uid, exc)
+                continue
+            if claim is None:
+                if known is not None:
+                    self._guarded(known, lambda td=known: self.engine.release(td, "claim deleted"))
+                continue
+            td = self._track(claim)
+            if td is not None:
+                self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+
+    def _find(self, namespace: str, name: str) -> Teardown | None:
+        return next(
+            (td for td in self.store.teardowns.values() if (td.claim.namespace, td.claim.name) == (namespace, name)),
+            None,
+        )
+
+    def _track(self, claim: dict[str, Any]) -> Teardown | None:
+        """The teardown for this claim, started (and fenced) on first sight of its allocation here."""
+        meta = claim.get("metadata") or {}
+        uid = meta.get("uid")
+        if not isinstance(uid, str) or not uid:
+            return None
+        if uid in self.store.teardowns:
+            return self.store.teardowns[uid]
+        recorded = dict(recorded_devices(claim))
+        keys = allocated_devices(claim)
+        if not keys:
+            # Deallocated before the agent got to it: our own annotation says what it held, unless a
+            # verified scrub already cleaned it.
+            if scrub_status(claim) == names.SCRUB_VERIFIED:
+                return None
+            keys = list(recorded)
+        devices = []
+        for key in keys:
+            known = self._slice(key)
+            # Ours: a device of this node that names a GPU, or one our own annotation recorded.
+            if (known is not None and known.uuid) or key in recorded:
+                devices.append((key, (known.uuid if known else None) or recorded.get(key)))
+        if not devices:
+            return None
+        ref = ClaimRef(namespace=meta.get("namespace") or "", name=meta.get("name") or "", uid=uid)
+        # Health counts XIDs from the claim's creation: the agent may see the allocation late.
+        return self._begin(ref, devices, source="cluster", since=created_at(claim))
+
+    def _begin(
+        self, ref: ClaimRef, devices: list[tuple[DeviceKey, str | None]], source: str, since: float | None = None
+    ) -> Teardown | None:
+        now = self.clock()
+        try:
+            return self.engine.begin(ref, devices, source=source, allocated_at=min(since or now, now))
+        except ClusterError as exc:
+            td = self.store.teardowns.get(ref.uid)
+            if td is not None:
+                self._backoff(td, exc)
+            return td
+
+    def _check_release(self, td: Teardown, claim: dict[str, Any] | None = None) -> None:
+        if td.state != State.ALLOCATED:
+            return
+        if claim is None and td.claim.name:
+            claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        reason = release_reason(claim, td.claim.uid, self._finished_pods)
+        if reason:
+            self.engine.release(td, reason)
+
+    def _check_releases(self) -> None:
+        for td in list(self.store.teardowns.values()):
+            if td.state == State.ALLOCATED:
+                self._guarded(td, lambda td=td: self._check_release(td))
+
+    def resync(self) -> None:
+        """Periodic full look: claims still allocated (released first, so that a claim re-created under an
+        old name is seen as new), pods (in case a watch event was lost), slices."""
+        self._refresh_slices()
+        self._check_releases()
+        pods, _ = self.cluster.list_node_pods(self.node)
+        for pod in pods:
+            self.observe_pod("SYNC", pod)
+        cutoff = self.clock() - FINISHED_POD_MEMORY_S
+        self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
+
+    # ---------------------------------------------------------------- the loop
+
+    def tick(self) -> float:
+        """Advances every teardown as far as it can go now; returns seconds until work is next due."""
+        self._last_tick = time.monotonic()
+        self._take_rescrub_requests()
+        for td in list(self.store.teardowns.values()):
+            self._guarded(td, lambda td=td: self.engine.advance(td))
+        self._api_retry = {uid: r for uid, r in self._api_retry.items() if uid in self.store.teardowns}
+        return self._next_due()
+
+    def _next_due(self) -> float:
+        now = self.clock()
+        due = [self.settings.resync_s]
+        for uid, td in self.store.teardowns.items():
+            backoff = self._api_retry.get(uid)
+            if backoff is not None and backoff[0] > now:
+                due.append(backoff[0] - now)  # nothing happens to it before then
+            elif td.state == State.DRAINING:
+                due.append(self.settings.drain_poll_s)
+            elif td.state == State.FAILED and td.retry_at is not None:
+                due.append(td.retry_at - now)
+        return max(min(due), 0.0)
+
+    def _guarded(self, td: Teardown, action: Callable[[], object]) -> None:
+        """Runs `action` for `td` unless it is backing off after an API error; API errors start a backoff."""
+        retry = self._api_retry.get(td.claim.uid)
+        if retry is not None and retry[0] > self.clock():
+            return
+        try:
+            action()
+        except ClusterError as exc:
+            self._backoff(td, exc)
+        else:
+            self._api_retry.pop(td.claim.uid, None)
+
+    def _backoff(self, td: Teardown, exc: ClusterError) -> None:
+        last = self._api_retry.get(td.claim.uid, (0.0, 0.0))[1]
+        delay = min(last * 2 or self.settings.api_backoff_s, self.settings.api_backoff_max_s)
+        self._api_retry[td.claim.uid] = (self.clock() + delay, delay)
+        log.warning("claim %s (%s): API error, retrying in %.0fs: %s", td.claim, td.state.value, delay, exc)
+
+    def _take_rescrub_requests(self) -> None:
+        if self.settings.rescrub_dir is None:
+            return
+        for path, device in rescrub.pending(self.settings.rescrub_dir):
+            matched = [
+                td
+                for td in self.store.teardowns.values()
+                if device and td.state == State.FAILED and rescrub.matches(td, device)
+            ]
+            if not matched:
+                log.warning(
+                    "rescrub request %s (%s) matches no failed device on node %s; discarded", path, device, self.node
+                )
+            for td in matched:
+                self._api_retry.pop(td.claim.uid, None)
+                self._guarded(td, lambda td=td: self.engine.rescrub(td))
+            path.unlink(missing_ok=True)
+
+    def healthy(self) -> tuple[bool, str]:
+        if self._last_tick is None:
+            return False, "starting: reconciling the checkpoint and the claims on this node"
+        idle = time.monotonic() - self._last_tick
+        if idle > self.settings.liveness_s:
+            return False, f"agent loop stuck for {idle:.0f}s"
+        fenced, failed = self.engine.fenced_devices()
+        return True, f"ok: {len(self.store.teardowns)} teardown(s), {fenced} device(s) fenced, {failed} failed"
+
+    def run(self, stop: threading.Event) -> None:
+        """start(), then watch and tick until `stop` is set."""
+        self.start()
+        events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        threading.Thread(target=self._watch, args=(events, stop), name="agent-watch", daemon=True).start()
+        # Wakes the loop from its wait as soon as `stop` is set (SIGTERM), not at the next resync.
+        threading.Thread(target=lambda: (stop.wait(), events.put(("STOP", None))), daemon=True).start()
+        next_resync = time.monotonic() + self.settings.resync_s
+        while not stop.is_set():
+            wait = min(self.tick(), max(next_resync - time.monotonic(), 0.0))
+            try:
+                item = events.get(timeout=wait)
+                while True:
+                    self._handle(item)
+                    item = events.get_nowait()
+            except queue.Empty:
+                pass
+            if time.monotonic() >= next_resync:
+                try:
+                    self.resync()
+                except ClusterError as exc:
+                    log.warning("resync of node %s failed: %s", self.node, exc)
+                next_resync = time.monotonic() + self.settings.resync_s
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "STOP":
+            return
+        if kind == "LIST":
+            for pod in payload:
+                self.observe_pod("SYNC", pod)
+            self._check_releases()
+        else:
+            self.observe_pod(kind, payload)
+
+    def _watch(self, events: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
+        """List, then watch from the list's version; on any error list again after a backoff."""
+        delay = self.settings.api_backoff_s
+        while not stop.is_set():
+            try:
+                pods, version = self.cluster.list_node_pods(self.node)
+                events.put(("LIST", pods))
+                delay = self.settings.api_backoff_s
+                while not stop.is_set():
+                    for kind, pod in self.cluster.watch_node_pods(self.node, version, self.settings.watch_timeout_s):
+                        version = (pod.get("metadata") or {}).get("resourceVersion") or version
+                        if kind != "BOOKMARK":
+                            events.put((kind, pod))
+                        if stop.is_set():
+                            return
+            except ClusterError as exc:
+                if exc.status != 410:
+                    log.warning("watch of pods on node %s failed (%s); listing again in %.0fs", self.node, exc, delay)
+                    stop.wait(delay)
+                    delay = min(delay * 2, self.settings.api_backoff_max_s)
+            except Exception:
+                log.exception("watch of pods on node %s crashed; listing again in %.0fs", self.node, delay)
+                stop.wait(delay)

@@ -1,0 +1,182 @@
+"""The agent's checkpoint: every teardown it owes, persisted at every state transition.
+
+One JSON file on the node (hostPath), written atomically: a temp file in the same directory, fsync,
+rename over the real one, fsync the directory. A crash leaves either the old or the new file, never a
+mix; a stray temp file is ignored. The file carries a version and the agent refuses any other version
+loudly rather than guess: a misread checkpoint could lift a fence on a dirty device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+VERSION = 1
+DEFAULT_PATH = Path("/var/lib/scrubgate/agent-checkpoint.json")
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint cannot be read or written; the agent must not go on guessing."""
+
+
+class State(StrEnum):
+    """Teardown states, in order; FAILED can follow any of them."""
+
+    ALLOCATED = "allocated"  # fenced (a DeviceTaintRule per device) while the claim holds the devices
+    RELEASED = "released"  # the claim let go; the device may hold the tenant's data
+    DRAINING = "draining"  # waiting (bounded) for every process on the device to exit
+    SCRUBBING = "scrubbing"  # zero, verify, health check
+    VERIFIED = "verified"  # every device verified clean; next: sign
+    ATTESTED = "attested"  # attestation signed; next: write it to the claim
+    UNFENCED = "unfenced"  # attestation written; next: delete our fences
+    DONE = "done"  # fences lifted; next: remove the finalizer, then forget the teardown
+    FAILED = "failed"  # fence kept, scrub-failed taint added; retried with backoff, then an operator
+
+
+FenceKind = Literal["rule", "node"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClaimRef(_Model):
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} (uid {self.uid})"
+
+
+class ScrubRecord(_Model):
+    bytes_scrubbed: int
+    bytes_total: int
+    bytes_reserved: int
+    bytes_unreachable: int
+    duration_s: float
+    verified: bool
+    method: str
+    reason: str | None = None
+
+
+class DeviceRecord(_Model):
+    driver: str
+    pool: str
+    device: str
+    # The GPU (or MIG device) UUID from the ResourceSlice's `uuid` attribute; None when the slice did
+    # not say, in which case the scrub fails closed.
+    uuid: str | None
+    fence_rule: str  # our DeviceTaintRule with scrubgate.dev/unsanitized for this claim and device
+    failed_rule: str  # our DeviceTaintRule with scrubgate.dev/scrub-failed, while failed
+    scrub: ScrubRecord | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.driver}/{self.pool}/{self.device}"
+
+
+class Teardown(_Model):
+    claim: ClaimRef
+    devices: list[DeviceRecord]
+    state: State
+    fence: FenceKind
+    # Where the teardown was learnt from: "cluster" (a claim on this node) or "nvidia-checkpoint".
+    source: str = "cluster"
+    allocated_at: float  # unix time of first sight; health is checked since then
+    released_at: float | None = None
+    release_reason: str | None = None
+    drain_deadline: float | None = None
+    scrub_started_at: float | None = None
+    scrub_finished_at: float | None = None
+    health: dict[str, Any] | None = None
+    attestation: str | None = None
+    reason: str | None = None  # why it failed, for the status annotation, the Event and `agent status`
+    failure_reported: bool = False
+    attempts: int = 0  # failed attempts so far
+    retry_at: float | None = None  # None while failed: waiting for an operator (`agent rescrub`)
+
+    def holds(self, key: str) -> bool:
+        return any(d.key == key for d in self.devices)
+
+
+class CheckpointFile(_Model):
+    version: Literal[1]
+    node: str
+    teardowns: dict[str, Teardown] = {}  # by claim UID
+
+
+class CheckpointStore:
+    """The checkpoint file and its in-memory copy; `save()` persists the whole copy atomically."""
+
+    def __init__(self, path: Path | str, node: str) -> None:
+        self.path = Path(path)
+        self.data = CheckpointFile(version=VERSION, node=node)
+
+    @property
+    def teardowns(self) -> dict[str, Teardown]:
+        return self.data.teardowns
+
+    def load(self) -> None:
+        """Reads the file if it exists; refuses another node's file, another version, or a damaged one."""
+        self.data = read(self.path, expect_node=self.data.node) or CheckpointFile(version=VERSION, node=self.data.node)
+
+    def save(self) -> None:
+        write_atomic(self.path, self.data.model_dump_json(indent=1).encode())
+
+
+def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
+    """The checkpoint at `path`, or None when there is none yet."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is not JSON ({exc}); refusing to start. Move it aside to start fresh: the agent "
+            "then fences every device that the claims on this node or NVIDIA's checkpoint show as used"
+        ) from exc
+    version = data.get("version") if isinstance(data, dict) else None
+    if version != VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has version {version!r}; this agent reads version {VERSION} only. Refusing to "
+            "start rather than misread it: run the agent release that wrote it, or move the file aside"
+        )
+    try:
+        checkpoint = CheckpointFile.model_validate(data)
+    except ValidationError as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: {exc}; refusing to start") from exc
+    if expect_node is not None and checkpoint.node != expect_node:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to node {checkpoint.node!r}, not {expect_node!r}; check --node and the "
+            "hostPath mount"
+        )
+    return checkpoint
+
+
+def write_atomic(path: Path, content: bytes) -> None:
+    """Replace `path` with `content` so that a crash at any instant leaves the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc

@@ -1,0 +1,239 @@
+"""Reading pods, ResourceClaims and ResourceSlices, and building the agent's patches: plain functions on
+the dicts the API returns (resource.k8s.io v1, v1beta2 and v1beta1 shapes alike)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from scrubgate.policies import names
+
+DeviceKey = tuple[str, str, str]  # (driver, pool, device)
+
+
+@dataclass(frozen=True)
+class SliceDevice:
+    """A device this node publishes: its GPU UUID and, for a MIG device, the parent GPU's."""
+
+    uuid: str | None
+    parent_uuid: str | None
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def key_str(key: DeviceKey) -> str:
+    return "/".join(key)
+
+
+def parse_device_ref(text: str) -> DeviceKey | None:
+    """`driver/pool/device` as an operator types it; None when it is not three non-empty parts.
+    (Pool names may contain slashes; driver and device names cannot.)"""
+    driver, _, rest = text.partition("/")
+    pool, _, device = rest.rpartition("/")
+    return (driver, pool, device) if driver and pool and device else None
+
+
+# ---------------------------------------------------------------- pods
+
+
+def pod_claim_names(pod: dict[str, Any]) -> list[str]:
+    """Names of the ResourceClaims a pod uses: the ones it names, and the ones generated for it from
+    templates (`status.resourceClaimStatuses`, filled in by the resourceclaim controller)."""
+    found: list[str] = []
+    for entry in _list(_dict(pod.get("spec")).get("resourceClaims")):
+        name = _dict(entry).get("resourceClaimName")
+        if isinstance(name, str) and name:
+            found.append(name)
+    for entry in _list(_dict(pod.get("status")).get("resourceClaimStatuses")):
+        name = _dict(entry).get("resourceClaimName")
+        if isinstance(name, str) and name:
+            found.append(name)
+    return list(dict.fromkeys(found))
+
+
+def pod_finished(pod: dict[str, Any]) -> bool:
+    return _dict(pod.get("status")).get("phase") in ("Succeeded", "Failed")
+
+
+# ---------------------------------------------------------------- claims
+
+
+def allocated_devices(claim: dict[str, Any]) -> list[DeviceKey]:
+    results = _list(_dict(_dict(_dict(claim.get("status")).get("allocation")).get("devices")).get("results"))
+    keys = []
+    for result in results:
+        r = _dict(result)
+        if all(isinstance(r.get(k), str) and r.get(k) for k in ("driver", "pool", "device")):
+            keys.append((r["driver"], r["pool"], r["device"]))
+    return list(dict.fromkeys(keys))
+
+
+def recorded_devices(claim: dict[str, Any]) -> list[tuple[DeviceKey, str | None]]:
+    """The agent's own record in the `scrubgate.dev/devices` annotation (kept after the allocation is gone);
+    an unreadable annotation yields nothing here (the attestation check reports it)."""
+    raw = _dict(_meta(claim).get("annotations")).get(names.ANNOTATION_DEVICES)
+    try:
+        entries = json.loads(raw) if isinstance(raw, str) else []
+    except json.JSONDecodeError:
+        return []
+    found = []
+    for entry in _list(entries):
+        e = _dict(entry)
+        if all(isinstance(e.get(k), str) and e.get(k) for k in ("driver", "pool", "device")):
+            uuid = e.get("uuid")
+            found.append(((e["driver"], e["pool"], e["device"]), uuid if isinstance(uuid, str) and uuid else None))
+    return found
+
+
+def created_at(obj: dict[str, Any]) -> float | None:
+    """`metadata.creationTimestamp` as unix time; None when absent or unreadable."""
+    stamp = _meta(obj).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if isinstance(stamp, str) else None
+    except ValueError:
+        return None
+
+
+def scrub_status(claim: dict[str, Any]) -> str | None:
+    value = _dict(_meta(claim).get("annotations")).get(names.ANNOTATION_SCRUB_STATUS)
+    return value if isinstance(value, str) else None
+
+
+def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Container[str]) -> str | None:
+    """Why the claim no longer holds its devices, or None while it does.
+
+    Released: the claim is gone (or replaced by a new one of that name), being deleted, deallocated,
+    reserved for nobody, or reserved only for pods that are terminal or deleted.
+    """
+    if claim is None:
+        return "claim deleted"
+    meta = _meta(claim)
+    if meta.get("uid") != uid:
+        return "claim deleted (a new claim now has its name)"
+    if meta.get("deletionTimestamp"):
+        return "claim is being deleted"
+    status = _dict(claim.get("status"))
+    if not status.get("allocation"):
+        return "allocation cleared"
+    consumers = [_dict(c) for c in _list(status.get("reservedFor"))]
+    if not consumers:
+        return "no longer reserved for any pod"
+    if all(c.get("resource") == "pods" and c.get("uid") in finished_pods for c in consumers):
+        pods = ", ".join(str(c.get("name")) for c in consumers)
+        return f"pod {pods} terminal or deleted"
+    return None
+
+
+def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[str, Any]]:
+    """JSON patch setting `updates` on the claim, guarded by its UID. Where the claim has no annotations
+    yet, the map is added whole, guarded by the resourceVersion so that no concurrent writer's key is lost."""
+    meta = _meta(claim)
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
+    if isinstance(meta.get("annotations"), dict):
+        ops += [{"op": "add", "path": f"/metadata/annotations/{_escape(k)}", "value": v} for k, v in updates.items()]
+    else:
+        ops += [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+            {"op": "add", "path": "/metadata/annotations", "value": dict(updates)},
+        ]
+    return ops
+
+
+def finalizer_removal_ops(claim: dict[str, Any], attestation: str) -> list[dict[str, Any]] | None:
+    """JSON patch removing `scrubgate.dev/sanitize`, failing if the claim changed since it was read (UID,
+    resourceVersion, finalizers, or the attestation it carries); None when the finalizer is not there."""
+    meta = _meta(claim)
+    finalizers = _list(meta.get("finalizers"))
+    if names.FINALIZER not in finalizers:
+        return None
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": meta.get("uid")},
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "test", "path": f"/metadata/annotations/{_escape(names.ANNOTATION_ATTESTATION)}", "value": attestation},
+        {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+        {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != names.FINALIZER]},
+    ]
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def devices_annotation(devices: Iterable[tuple[DeviceKey, str | None]]) -> str:
+    return json.dumps(
+        [{"driver": k[0], "pool": k[1], "device": k[2], "uuid": uuid} for k, uuid in devices],
+        separators=(",", ":"),
+    )
+
+
+# ---------------------------------------------------------------- slices
+
+
+def _string_attribute(attributes: dict[str, Any], driver: str, name: str) -> str | None:
+    # Attribute names are unqualified (in the driver's domain) or qualified with the domain.
+    for key in (name, f"{driver}/{name}"):
+        value = _dict(attributes.get(key)).get("string")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevice]:
+    """Every device in the slices, keyed (driver, pool, device), with the `uuid` and `parentUUID` NVIDIA's
+    driver publishes (`{"string": "GPU-..."}`); v1/v1beta2 keep attributes on the device, v1beta1 under `basic`."""
+    found: dict[DeviceKey, SliceDevice] = {}
+    for resource_slice in slices:
+        spec = _dict(resource_slice.get("spec"))
+        driver, pool = spec.get("driver"), _dict(spec.get("pool")).get("name")
+        if not isinstance(driver, str) or not isinstance(pool, str):
+            continue
+        for device in _list(spec.get("devices")):
+            d = _dict(device)
+            name = d.get("name")
+            if not isinstance(name, str):
+                continue
+            attributes = _dict(d.get("attributes")) or _dict(_dict(d.get("basic")).get("attributes"))
+            found[(driver, pool, name)] = SliceDevice(
+                uuid=_string_attribute(attributes, driver, "uuid"),
+                parent_uuid=_string_attribute(attributes, driver, "parentUUID"),
+            )
+    return found
+
+
+# ---------------------------------------------------------------- events
+
+
+def warning_event(
+    *, node: str, namespace: str, involved: dict[str, Any], reason: str, message: str, now: float
+) -> dict[str, Any]:
+    """A core/v1 Warning Event about `involved` (a claim, or the Node when the claim is gone)."""
+    stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # metav1.Time: whole seconds
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": "scrubgate-agent-", "namespace": namespace},
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning",
+        "source": {"component": "scrubgate-agent", "host": node},
+        "reportingComponent": "scrubgate.dev/agent",
+        "reportingInstance": node,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }

@@ -1,0 +1,159 @@
+"""Fences: what stops the scheduler from handing a device that may hold a tenant's data to the next claim.
+
+The fence is a DeviceTaintRule per claim and device, `scrubgate.dev/unsanitized:NoSchedule`, from first
+sight of the allocation until a verified scrub; a second rule, `scrubgate.dev/scrub-failed`, marks a
+failed teardown. One rule per claim *and* device (not per device) so that a device two claims share stays
+fenced until both are torn down. Rule names derive from the claim UID and the device, so creating and
+deleting are idempotent and a restarted agent finds its own rules again.
+
+Where no DeviceTaintRule API is served the fence falls back to a node taint during teardown: weaker,
+because it is not there while the claim holds the device, and the scheduler can hand the device out
+between the claim's release and the taint. The agent says so loudly and counts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from scrubgate.policies import names
+
+from .checkpoint import DeviceRecord, State, Teardown
+from .kube import ClusterClient, Conflict
+from .metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+CONFLICT_RETRIES = 5
+
+
+def rule_name(taint_key: str, claim_uid: str, device_key: str) -> str:
+    digest = hashlib.sha256(f"{claim_uid}/{device_key}".encode()).hexdigest()[:20]
+    return f"scrubgate-{taint_key.rpartition('/')[2]}-{digest}"
+
+
+def label_value(text: str) -> str:
+    """`text` squeezed into a label value (taint values must be one): 63 characters of [A-Za-z0-9-_.]."""
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)[:63]
+    return cleaned.strip("-_.")
+
+
+class Fencer:
+    def __init__(self, cluster: ClusterClient, node: str, rule_version: str | None, metrics: AgentMetrics) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.rule_version = rule_version
+        self.metrics = metrics
+        metrics.weak_fence.set(0 if rule_version else 1)
+        if rule_version is None:
+            log.error(
+                "WEAK FENCE on node %s: the API server serves no DeviceTaintRule (resource.k8s.io v1, v1beta2 or "
+                "v1alpha3). Falling back to the node taint %s during teardown, which cannot stop the scheduler "
+                "from reusing a device between its release and the taint. Enable the DRADeviceTaints feature "
+                "(and DRADeviceTaintRules where needed) to get per-device fences.",
+                node,
+                names.TAINT_UNSANITIZED,
+            )
+
+    @property
+    def weak(self) -> bool:
+        return self.rule_version is None
+
+    def _rule(self, td: Teardown, name: str, device: DeviceRecord, taint_key: str, value: str) -> dict[str, Any]:
+        return {
+            "metadata": {
+                "name": name,
+                "labels": {"app.kubernetes.io/managed-by": "scrubgate-agent", "scrubgate.dev/claim-uid": td.claim.uid},
+                "annotations": {
+                    "scrubgate.dev/node": self.node,
+                    "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}",
+                },
+            },
+            "spec": {
+                "deviceSelector": {"driver": device.driver, "pool": device.pool, "device": device.device},
+                "taint": {"key": taint_key, "value": label_value(value), "effect": "NoSchedule"},
+            },
+        }
+
+    def fence(self, td: Teardown, tearing_down: bool) -> None:
+        """Ensures the unsanitized fence: a rule per device, or (weak mode, during teardown) the node taint."""
+        if self.rule_version:
+            for device in td.devices:
+                body = self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
+                self.cluster.create_device_taint_rule(self.rule_version, body)
+        elif tearing_down:
+            self._ensure_node_taint(names.TAINT_UNSANITIZED)
+
+    def mark_failed(self, td: Teardown, reason: str) -> None:
+        """Adds the scrub-failed taint next to the unsanitized one (which stays)."""
+        self.fence(td, tearing_down=True)
+        if self.rule_version:
+            for device in td.devices:
+                body = self._rule(td, device.failed_rule, device, names.TAINT_SCRUB_FAILED, reason)
+                self.cluster.create_device_taint_rule(self.rule_version, body)
+        else:
+            self._ensure_node_taint(names.TAINT_SCRUB_FAILED)
+
+    def lift(self, td: Teardown, others: Iterable[Teardown]) -> None:
+        """Deletes this teardown's fences, and only those: call it only after a verified scrub.
+        In weak mode the node taints go only when no other teardown still needs them."""
+        if self.rule_version:
+            for device in td.devices:
+                if td.attempts:  # it failed at some point: a scrub-failed rule may exist
+                    self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
+                self.cluster.delete_device_taint_rule(self.rule_version, device.fence_rule)
+            return
+        others = [o for o in others if o.claim.uid != td.claim.uid]
+        if not any(o.state == State.FAILED for o in others):
+            self._remove_node_taint(names.TAINT_SCRUB_FAILED)
+        if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
+            self._remove_node_taint(names.TAINT_UNSANITIZED)
+
+    # ---------------------------------------------------------------- node taint (weak fence)
+
+    def _ensure_node_taint(self, key: str) -> None:
+        for _ in range(CONFLICT_RETRIES):
+            node = self.cluster.get_node(self.node)
+            meta, spec = node.get("metadata") or {}, node.get("spec") or {}
+            taints = spec.get("taints") if isinstance(spec.get("taints"), list) else None
+            if any(isinstance(t, dict) and t.get("key") == key for t in taints or []):
+                return
+            taint = {"key": key, "effect": "NoSchedule"}
+            ops: list[dict[str, Any]] = [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")}
+            ]
+            ops.append(
+                {"op": "add", "path": "/spec/taints/-", "value": taint}
+                if taints is not None
+                else {"op": "add", "path": "/spec/taints", "value": [taint]}
+            )
+            try:
+                self.cluster.patch_node(self.node, ops)
+            except Conflict:
+                continue
+            self.metrics.node_taint_fences.inc()
+            log.warning("WEAK FENCE: tainted node %s with %s:NoSchedule (no DeviceTaintRule API)", self.node, key)
+            return
+        raise Conflict(f"node {self.node} kept changing while adding taint {key}; will retry", 409)
+
+    def _remove_node_taint(self, key: str) -> None:
+        for _ in range(CONFLICT_RETRIES):
+            node = self.cluster.get_node(self.node)
+            meta, spec = node.get("metadata") or {}, node.get("spec") or {}
+            taints = spec.get("taints") if isinstance(spec.get("taints"), list) else []
+            kept = [t for t in taints if not (isinstance(t, dict) and t.get("key") == key)]
+            if len(kept) == len(taints):
+                return
+            ops = [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+                {"op": "replace", "path": "/spec/taints", "value": kept},
+            ]
+            try:
+                self.cluster.patch_node(self.node, ops)
+            except Conflict:
+                continue
+            log.info("removed taint %s from node %s", key, self.node)
+            return
+        raise Conflict(f"node {self.node} kept changing while removing taint {key}; will retry", 409)

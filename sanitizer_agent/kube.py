@@ -1,0 +1,305 @@
+"""What the agent needs from the Kubernetes API, behind a small interface.
+
+`ClusterClient` is all the state machine sees, so it is tested against an in-memory double;
+`KubernetesClusterClient` implements it with the official `kubernetes` client. It speaks raw JSON
+through `ApiClient` rather than the typed models: the agent reads several `resource.k8s.io` versions
+(DeviceTaintRule is v1, v1beta2 or v1alpha3 depending on the cluster) and works on plain dicts, the
+same ones the policy core reads.
+
+At scale each agent lists and watches only its own node's pods (field selector `spec.nodeName`) and
+gets their claims by name: there is no cluster-wide claim watch per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
+from urllib.parse import quote
+
+from scrubgate.policies import names
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+GROUP = names.RESOURCE_GROUP
+# DeviceTaintRule: v1 where served, else v1beta2, else v1alpha3 (DESIGN.md, "Why the agent must fence").
+TAINT_RULE_VERSIONS = ("v1", "v1beta2", "v1alpha3")
+CLAIM_VERSIONS = names.RESOURCE_VERSIONS
+TRANSIENT_STATUS = frozenset({0, 408, 429, 500, 502, 503, 504})
+
+
+class ClusterError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when the server could not be reached)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class NotFound(ClusterError):
+    pass
+
+
+class Conflict(ClusterError):
+    """The object changed under us (409), or a JSON-patch `test` failed (422): re-read and decide again."""
+
+
+class ClusterClient(Protocol):
+    def list_node_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        """The pods bound to `node` and the list's resourceVersion (to watch from)."""
+        ...
+
+    def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        """(event type, pod) for pods bound to `node` from `resource_version`; ends after `timeout_s`.
+        Raises ClusterError with status 410 when the version is too old (list again)."""
+        ...
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The ResourceClaim, or None when it does not exist."""
+        ...
+
+    def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """Applies a JSON patch (RFC 6902) to the claim's metadata; Conflict when a `test` op fails."""
+        ...
+
+    def list_node_slices(self, node: str) -> list[dict[str, Any]]:
+        """The ResourceSlices that publish `node`'s devices."""
+        ...
+
+    def device_taint_rule_version(self) -> str | None:
+        """The resource.k8s.io version serving DeviceTaintRule (v1, v1beta2, v1alpha3), None if none is."""
+        ...
+
+    def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
+        """Creates the rule; one that already exists under that name counts as created."""
+        ...
+
+    def delete_device_taint_rule(self, version: str, name: str) -> None:
+        """Deletes the rule; one that does not exist counts as deleted."""
+        ...
+
+    def get_node(self, name: str) -> dict[str, Any]: ...
+
+    def patch_node(self, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """Applies a JSON patch to the Node; Conflict when a `test` op fails."""
+        ...
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
+
+
+def with_retries(
+    what: str,
+    call: Callable[[], T],
+    *,
+    attempts: int = 4,
+    backoff_s: float = 0.2,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Runs `call`, retrying transient API errors (unreachable, 429, 5xx) with exponential backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except ClusterError as exc:
+            if exc.status not in TRANSIENT_STATUS or attempt == attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1)
+            log.warning("%s failed (%s); retrying in %.1fs (attempt %d of %d)", what, exc, delay, attempt, attempts)
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _error(what: str, status: int, body: bytes | str | None) -> ClusterError:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
+    try:
+        message = json.loads(text).get("message") or text
+    except (json.JSONDecodeError, AttributeError):
+        message = text
+    detail = f"{what}: HTTP {status}: {message.strip()[:500]}"
+    if status == 404:
+        return NotFound(detail, status)
+    if status in (409, 422):
+        return Conflict(detail, status)
+    return ClusterError(detail, status)
+
+
+def taint_rule_path(version: str, name: str | None = None) -> str:
+    base = f"/apis/{GROUP}/{version}/devicetaintrules"
+    return base if name is None else f"{base}/{quote(name, safe='')}"
+
+
+class KubernetesClusterClient:
+    """ClusterClient over the official client's ApiClient (kubeconfig or in-cluster service account)."""
+
+    def __init__(self, api_client: Any, *, request_timeout_s: float = 30.0) -> None:
+        self.api = api_client
+        self.request_timeout_s = request_timeout_s
+        self._versions: dict[str, str | None] = {}
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None) -> KubernetesClusterClient:
+        from kubernetes import client, config
+
+        if kubeconfig:
+            return cls(config.new_client_from_config(config_file=kubeconfig))
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return cls(client.ApiClient(configuration))
+
+    # ------------------------------------------------------------------ transport
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        stream: bool = False,
+        timeout_s: float | None = None,
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        what = f"{method} {path}"
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        request = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or None,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api.call_api(*request, _request_timeout=timeout_s or self.request_timeout_s)
+        except ApiException as exc:
+            raise _error(what, exc.status or 0, exc.body or exc.reason) from exc
+        except (HTTPError, OSError) as exc:
+            raise ClusterError(f"{what}: cannot reach the API server: {exc}", 0) from exc
+        if not 200 <= response.status <= 299:
+            raise _error(what, response.status, response.read())
+        if stream:
+            return response.response
+        data = response.read()
+        return json.loads(data) if data else None
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        return with_retries(f"{method} {path}", lambda: self._send(method, path, **kwargs))
+
+    def _list(self, path: str, query: list[tuple[str, str]]) -> tuple[list[dict[str, Any]], str]:
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            page = self._call("GET", path, query=[*query, ("limit", "500")] + ([("continue", token)] if token else []))
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return items, (page.get("metadata") or {}).get("resourceVersion") or ""
+
+    def _served_version(self, resource: str, candidates: tuple[str, ...]) -> str | None:
+        """The first of `candidates` under resource.k8s.io that serves `resource` (discovery, cached)."""
+        if resource not in self._versions:
+            found = None
+            for version in candidates:
+                try:
+                    listing = self._call("GET", f"/apis/{GROUP}/{version}")
+                except NotFound:
+                    continue
+                if any(r.get("name") == resource for r in listing.get("resources") or []):
+                    found = version
+                    break
+            self._versions[resource] = found
+        return self._versions[resource]
+
+    def _claims_path(self, namespace: str, name: str) -> str:
+        version = self._served_version("resourceclaims", CLAIM_VERSIONS)
+        if version is None:
+            raise ClusterError(f"the API server serves no {GROUP} version with resourceclaims", 404)
+        return f"/apis/{GROUP}/{version}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
+
+    # ------------------------------------------------------------------ ClusterClient
+
+    def list_node_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        return self._list("/api/v1/pods", [("fieldSelector", f"spec.nodeName={node}")])
+
+    def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        query = [
+            ("fieldSelector", f"spec.nodeName={node}"),
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(timeout_s)),
+        ]
+        response = self._send("GET", "/api/v1/pods", query=query, stream=True, timeout_s=timeout_s + 10)
+        try:
+            for line in _lines(response):
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ClusterError(f"watch of pods on {node}: {obj.get('message')}", int(obj.get("code") or 0))
+                yield kind, obj
+        finally:
+            response.release_conn()
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", self._claims_path(namespace, name))
+        except NotFound:
+            return None
+
+    def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        # No retry on Conflict: the caller re-reads and decides again.
+        return self._call(
+            "PATCH", self._claims_path(namespace, name), body=ops, content_type="application/json-patch+json"
+        )
+
+    def list_node_slices(self, node: str) -> list[dict[str, Any]]:
+        version = self._served_version("resourceslices", CLAIM_VERSIONS)
+        if version is None:
+            return []
+        return self._list(f"/apis/{GROUP}/{version}/resourceslices", [("fieldSelector", f"spec.nodeName={node}")])[0]
+
+    def device_taint_rule_version(self) -> str | None:
+        return self._served_version("devicetaintrules", TAINT_RULE_VERSIONS)
+
+    def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
+        body = {**rule, "apiVersion": f"{GROUP}/{version}", "kind": "DeviceTaintRule"}
+        try:
+            self._call("POST", taint_rule_path(version), body=body)
+        except Conflict as exc:
+            if exc.status != 409:
+                raise
+
+    def delete_device_taint_rule(self, version: str, name: str) -> None:
+        with contextlib.suppress(NotFound):
+            self._call("DELETE", taint_rule_path(version, name))
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}")
+
+    def patch_node(self, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._call(
+            "PATCH", f"/api/v1/nodes/{quote(name, safe='')}", body=ops, content_type="application/json-patch+json"
+        )
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        self._call("POST", f"/api/v1/namespaces/{quote(namespace, safe='')}/events", body=event)
+
+
+def _lines(response: Any) -> Iterator[str]:
+    """Newline-delimited JSON from a streamed urllib3 response."""
+    buffer = b""
+    for chunk in response.stream(amt=None, decode_content=True):
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            if line.strip():
+                yield line.decode("utf-8", "replace")
+    if buffer.strip():
+        yield buffer.decode("utf-8", "replace")

@@ -1,0 +1,307 @@
+"""An in-memory ClusterClient: the API objects the agent touches, with the API's semantics where the agent
+relies on them (JSON patch with `test` ops, resourceVersion bumps, finalizers holding a deleted object,
+idempotent create/delete of DeviceTaintRules, discovery of the served DeviceTaintRule version).
+
+For the agent's tests, its benchmark and demos without a cluster. `hook(operation, args)` runs before
+every call and may raise (an API error, or a simulated crash). The real client is exercised against the
+HTTP stand-in in `devcluster/`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jsonpatch
+import jsonpointer
+from scrubgate.policies import names
+
+from .kube import TAINT_RULE_VERSIONS, Conflict, NotFound
+
+Hook = Callable[[str, tuple[Any, ...]], None]
+
+
+class InMemoryCluster:
+    def __init__(self, *, taint_rule_versions: tuple[str, ...] = ("v1",), hook: Hook | None = None) -> None:
+        self.served = taint_rule_versions
+        self.hook = hook
+        self.pods: dict[str, dict[str, Any]] = {}  # by UID
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.slices: list[dict[str, Any]] = []
+        self.rules: dict[str, dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.calls: list[str] = []
+        self._lock = threading.RLock()
+        self._versions = itertools.count(1)
+        self._watchers: list[queue.Queue[tuple[str, dict[str, Any]]]] = []
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _call(self, operation: str, *args: Any) -> None:
+        self.calls.append(operation)
+        if self.hook:
+            self.hook(operation, args)
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        obj.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
+
+    def _notify(self, kind: str, pod: dict[str, Any]) -> None:
+        for watcher in list(self._watchers):
+            watcher.put((kind, copy.deepcopy(pod)))
+
+    @staticmethod
+    def _patch(obj: dict[str, Any], ops: list[dict[str, Any]], what: str) -> dict[str, Any]:
+        try:
+            patched = jsonpatch.apply_patch(obj, ops)
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+            raise Conflict(f"PATCH {what}: HTTP 422: {exc}", 422) from exc
+        if patched["metadata"].get("uid") != obj["metadata"].get("uid"):
+            raise Conflict(f"PATCH {what}: HTTP 422: metadata.uid: field is immutable", 422)
+        return patched
+
+    # ---------------------------------------------------------------- ClusterClient
+
+    def list_node_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        self._call("list_node_pods", node)
+        with self._lock:
+            pods = [copy.deepcopy(p) for p in self.pods.values() if p["spec"].get("nodeName") == node]
+            return pods, str(next(self._versions))
+
+    def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        self._call("watch_node_pods", node, resource_version)
+        watcher: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        with self._lock:
+            self._watchers.append(watcher)
+        try:
+            while True:
+                try:
+                    kind, pod = watcher.get(timeout=timeout_s)
+                except queue.Empty:
+                    return
+                if pod["spec"].get("nodeName") == node:
+                    yield kind, pod
+        finally:
+            with self._lock:
+                self._watchers.remove(watcher)
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._call("get_claim", namespace, name)
+        with self._lock:
+            claim = self.claims.get((namespace, name))
+            return copy.deepcopy(claim) if claim else None
+
+    def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        self._call("patch_claim", namespace, name, ops)
+        with self._lock:
+            claim = self.claims.get((namespace, name))
+            if claim is None:
+                raise NotFound(f"PATCH resourceclaim {namespace}/{name}: HTTP 404", 404)
+            patched = self._patch(claim, ops, f"resourceclaim {namespace}/{name}")
+            self._bump(patched)
+            if patched["metadata"].get("deletionTimestamp") and not patched["metadata"].get("finalizers"):
+                del self.claims[(namespace, name)]
+            else:
+                self.claims[(namespace, name)] = patched
+            return copy.deepcopy(patched)
+
+    def list_node_slices(self, node: str) -> list[dict[str, Any]]:
+        self._call("list_node_slices", node)
+        with self._lock:
+            return [copy.deepcopy(s) for s in self.slices if s["spec"].get("nodeName") == node]
+
+    def device_taint_rule_version(self) -> str | None:
+        self._call("device_taint_rule_version")
+        return next((v for v in TAINT_RULE_VERSIONS if v in self.served), None)
+
+    def _check_version(self, version: str) -> None:
+        if version not in self.served:
+            raise NotFound(f"{names.RESOURCE_GROUP}/{version} devicetaintrules: HTTP 404: not served", 404)
+
+    def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
+        self._call("create_device_taint_rule", version, rule)
+        self._check_version(version)
+        with self._lock:
+            name = rule["metadata"]["name"]
+            if name not in self.rules:
+                stored = {
+                    **copy.deepcopy(rule),
+                    "apiVersion": f"{names.RESOURCE_GROUP}/{version}",
+                    "kind": "DeviceTaintRule",
+                }
+                self._bump(stored)
+                self.rules[name] = stored
+
+    def delete_device_taint_rule(self, version: str, name: str) -> None:
+        self._call("delete_device_taint_rule", version, name)
+        self._check_version(version)
+        with self._lock:
+            self.rules.pop(name, None)
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        self._call("get_node", name)
+        with self._lock:
+            if name not in self.nodes:
+                raise NotFound(f"GET node {name}: HTTP 404", 404)
+            return copy.deepcopy(self.nodes[name])
+
+    def patch_node(self, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        self._call("patch_node", name, ops)
+        with self._lock:
+            if name not in self.nodes:
+                raise NotFound(f"PATCH node {name}: HTTP 404", 404)
+            patched = self._patch(self.nodes[name], ops, f"node {name}")
+            self._bump(patched)
+            self.nodes[name] = patched
+            return copy.deepcopy(patched)
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        self._call("create_event", namespace, event)
+        with self._lock:
+            self.events.append(copy.deepcopy(event))
+
+    # ---------------------------------------------------------------- what the rest of the cluster does
+
+    def add_node(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            node = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "uid": str(uuidlib.uuid4())},
+                "spec": {},
+            }
+            self._bump(node)
+            self.nodes[name] = node
+            return node
+
+    def add_slice(self, node: str, driver: str, pool: str, devices: dict[str, dict[str, str]]) -> None:
+        """A ResourceSlice (v1 shape) with `devices` {name: {attribute: string value}}."""
+        with self._lock:
+            self.slices.append(
+                {
+                    "apiVersion": f"{names.RESOURCE_GROUP}/v1",
+                    "kind": "ResourceSlice",
+                    "metadata": {"name": f"{node}-{driver}-{len(self.slices)}"},
+                    "spec": {
+                        "driver": driver,
+                        "nodeName": node,
+                        "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
+                        "devices": [
+                            {"name": n, "attributes": {k: {"string": v} for k, v in attrs.items()}}
+                            for n, attrs in devices.items()
+                        ],
+                    },
+                }
+            )
+
+    def add_claim(
+        self,
+        namespace: str,
+        name: str,
+        devices: list[tuple[str, str, str]],
+        *,
+        finalizer: bool = True,
+        annotations: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """An allocated ResourceClaim (as the scheduler leaves it), with the webhook's finalizer."""
+        with self._lock:
+            claim: dict[str, Any] = {
+                "apiVersion": f"{names.RESOURCE_GROUP}/v1",
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": str(uuidlib.uuid4()),
+                    "creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "finalizers": [names.FINALIZER] if finalizer else [],
+                },
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+                "status": {
+                    "allocation": {
+                        "devices": {
+                            "results": [{"request": "gpu", "driver": d, "pool": p, "device": v} for d, p, v in devices]
+                        }
+                    },
+                    "reservedFor": [],
+                },
+            }
+            if annotations:
+                claim["metadata"]["annotations"] = dict(annotations)
+            self._bump(claim)
+            self.claims[(namespace, name)] = claim
+            return copy.deepcopy(claim)
+
+    def add_pod(self, namespace: str, name: str, node: str, claims: list[str]) -> dict[str, Any]:
+        """A running pod bound to `node` using `claims` (as generated claims), which get reserved for it."""
+        with self._lock:
+            uid = str(uuidlib.uuid4())
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": namespace, "uid": uid},
+                "spec": {
+                    "nodeName": node,
+                    "resourceClaims": [{"name": f"c{i}", "resourceClaimTemplateName": "t"} for i in range(len(claims))],
+                },
+                "status": {
+                    "phase": "Running",
+                    "resourceClaimStatuses": [{"name": f"c{i}", "resourceClaimName": c} for i, c in enumerate(claims)],
+                },
+            }
+            for claim_name in claims:
+                claim = self.claims[(namespace, claim_name)]
+                claim["status"]["reservedFor"].append({"resource": "pods", "name": name, "uid": uid})
+                self._bump(claim)
+            self._bump(pod)
+            self.pods[uid] = pod
+            self._notify("ADDED", pod)
+            return copy.deepcopy(pod)
+
+    def set_pod_phase(self, uid: str, phase: str) -> dict[str, Any]:
+        with self._lock:
+            pod = self.pods[uid]
+            pod["status"]["phase"] = phase
+            self._bump(pod)
+            self._notify("MODIFIED", pod)
+            return copy.deepcopy(pod)
+
+    def delete_pod(self, uid: str) -> dict[str, Any]:
+        with self._lock:
+            pod = self.pods.pop(uid)
+            self._notify("DELETED", pod)
+            return copy.deepcopy(pod)
+
+    def deallocate(self, namespace: str, name: str) -> None:
+        """What kube-controller-manager does once a claim is reserved for nobody: clear the allocation."""
+        with self._lock:
+            claim = self.claims[(namespace, name)]
+            claim["status"] = {}
+            self._bump(claim)
+
+    def delete_claim(self, namespace: str, name: str) -> None:
+        with self._lock:
+            claim = self.claims[(namespace, name)]
+            if claim["metadata"].get("finalizers"):
+                claim["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+                self._bump(claim)
+            else:
+                del self.claims[(namespace, name)]
+
+    def taints_on(self, driver: str, pool: str, device: str) -> list[str]:
+        """Taint keys the DeviceTaintRules put on one device."""
+        with self._lock:
+            return sorted(
+                r["spec"]["taint"]["key"]
+                for r in self.rules.values()
+                if r["spec"]["deviceSelector"] == {"driver": driver, "pool": pool, "device": device}
+            )
+
+    def node_taints(self, node: str) -> list[str]:
+        with self._lock:
+            return sorted(t["key"] for t in self.nodes[node]["spec"].get("taints") or [])

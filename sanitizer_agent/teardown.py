@@ -1,0 +1,501 @@
+"""The teardown state machine, one per claim (with the claim's devices on this node).
+
+    allocated(fenced) -> released -> draining -> scrubbing -> verified -> attested -> unfenced -> done
+                                 \\-----------------\\-----------------------> failed (fence kept)
+
+Crash safety: every transition is written to the checkpoint *before* the side effect that follows it,
+and every side effect is idempotent (create-if-absent, delete-if-present, patch guarded by `test` ops).
+The state in the checkpoint therefore names the next step to (re)do, and a restarted agent simply
+resumes: it re-ensures the fences of every teardown that may still be dirty, then carries on. A fence
+is deleted only in `unfenced`, which only follows a verified scrub and a signed attestation; the
+finalizer is removed only in `done`, after the claim carries an attestation that verifies for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import (
+    AttestationError,
+    build_payload,
+    check_claim_attestation,
+    load_private_key,
+    sign,
+)
+
+from .checkpoint import CheckpointStore, ClaimRef, DeviceRecord, ScrubRecord, State, Teardown
+from .claims import DeviceKey, annotation_ops, devices_annotation, finalizer_removal_ops, key_str, warning_event
+from .fences import Fencer, label_value, rule_name
+from .gpu import GpuBackend, GpuError, HealthSnapshot
+from .kube import ClusterClient, ClusterError, Conflict, NotFound
+from .metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+# States in which a device may hold a tenant's data (or is about to be checked): the fence must stand.
+FENCED_STATES = frozenset(
+    {State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.VERIFIED, State.ATTESTED, State.FAILED}
+)
+CONFLICT_RETRIES = 5
+STATUS_MAX = 256
+
+TransitionHook = Callable[[Teardown, State], None]
+Outcome = tuple[State, dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class TeardownSettings:
+    drain_timeout_s: float = 120.0
+    max_attempts: int = 3  # failed attempts before the teardown waits for an operator
+    retry_backoff_s: float = 30.0  # doubled after each failed attempt
+
+
+class Signer:
+    """The agent's Ed25519 attestation key (mounted from a Secret) and its key id."""
+
+    def __init__(self, key: Ed25519PrivateKey, kid: str) -> None:
+        self.key = key
+        self.kid = kid
+
+    @classmethod
+    def from_file(cls, path: Path | str, kid: str) -> Signer:
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read the attestation signing key {path}: {exc}") from exc
+        return cls(load_private_key(pem), kid)
+
+    @property
+    def public_keys(self) -> dict[str, Ed25519PublicKey]:
+        return {self.kid: self.key.public_key()}
+
+    def sign(self, payload: dict[str, Any]) -> str:
+        return sign(payload, self.key, self.kid)
+
+
+def _when(ts: float | None) -> datetime:
+    return datetime.fromtimestamp(ts or 0.0, UTC)
+
+
+class TeardownEngine:
+    def __init__(
+        self,
+        *,
+        node: str,
+        store: CheckpointStore,
+        backend: GpuBackend,
+        cluster: ClusterClient,
+        fencer: Fencer,
+        signer: Signer,
+        metrics: AgentMetrics,
+        settings: TeardownSettings = TeardownSettings(),
+        clock: Callable[[], float] = time.time,
+        on_transition: TransitionHook | None = None,
+    ) -> None:
+        self.node = node
+        self.store = store
+        self.backend = backend
+        self.cluster = cluster
+        self.fencer = fencer
+        self.signer = signer
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self.on_transition = on_transition
+        # What this process already made sure of; empty after a restart, so everything is re-ensured once.
+        self._fenced: dict[str, bool] = {}  # claim UID -> fenced for teardown (True) or allocation (False)
+        self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
+        self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
+
+    # ---------------------------------------------------------------- entry points
+
+    def begin(
+        self, claim: ClaimRef, devices: list[tuple[DeviceKey, str | None]], *, source: str, allocated_at: float
+    ) -> Teardown:
+        """A new allocation on this node: record it, then fence it."""
+        records = [
+            DeviceRecord(
+                driver=key[0],
+                pool=key[1],
+                device=key[2],
+                uuid=uuid,
+                fence_rule=rule_name(names.TAINT_UNSANITIZED, claim.uid, key_str(key)),
+                failed_rule=rule_name(names.TAINT_SCRUB_FAILED, claim.uid, key_str(key)),
+            )
+            for key, uuid in devices
+        ]
+        td = Teardown(
+            claim=claim,
+            devices=records,
+            state=State.ALLOCATED,
+            fence="node" if self.fencer.weak else "rule",
+            source=source,
+            allocated_at=allocated_at,
+        )
+        self.store.teardowns[claim.uid] = td
+        log.info("claim %s: allocated %s on %s; fencing", claim, ", ".join(d.key for d in records), self.node)
+        self._commit(td)
+        self.advance(td)
+        return td
+
+    def release(self, td: Teardown, reason: str) -> None:
+        if td.state != State.ALLOCATED:
+            return
+        log.info("claim %s released (%s); tearing down %s", td.claim, reason, ", ".join(d.key for d in td.devices))
+        self._transition(td, State.RELEASED, released_at=self.clock(), release_reason=reason)
+        self.advance(td)
+
+    def rescrub(self, td: Teardown) -> bool:
+        """An operator asked for another attempt at a failed teardown."""
+        if td.state != State.FAILED:
+            return False
+        log.warning("claim %s: operator asked for another teardown attempt (last failure: %s)", td.claim, td.reason)
+        # One more attempt: `attempts` keeps counting, so another failure waits for the operator again.
+        self._transition(td, State.DRAINING, **self._drain_fields())
+        self.advance(td)
+        return True
+
+    def advance(self, td: Teardown) -> None:
+        """Runs the teardown as far as it can go now. ClusterError propagates (the caller retries later
+        with backoff; the state is unchanged and every step is safe to redo)."""
+        while self.store.teardowns.get(td.claim.uid) is td:
+            if td.state in FENCED_STATES:
+                self.ensure_fenced(td)
+            outcome = getattr(self, f"_on_{td.state.value}")(td)
+            if outcome is None:
+                return
+            state, changes = outcome
+            self._transition(td, state, **changes)
+
+    def fenced_devices(self) -> tuple[int, int]:
+        """(devices under a fence, devices failed)."""
+        fenced = failed = 0
+        for td in list(self.store.teardowns.values()):  # also read by the /healthz thread
+            if td.state in FENCED_STATES and not (td.fence == "node" and td.state == State.ALLOCATED):
+                fenced += len(td.devices)
+            if td.state == State.FAILED:
+                failed += len(td.devices)
+        return fenced, failed
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _commit(self, td: Teardown) -> None:
+        self.store.save()
+        fenced, failed = self.fenced_devices()
+        self.metrics.fenced_devices.set(fenced)
+        self.metrics.failed_devices.set(failed)
+        if self.on_transition:
+            self.on_transition(td, td.state)
+
+    def _transition(self, td: Teardown, state: State, **changes: Any) -> None:
+        for key, value in changes.items():
+            setattr(td, key, value)
+        td.state = state
+        self._commit(td)
+
+    def _forget(self, td: Teardown) -> None:
+        del self.store.teardowns[td.claim.uid]
+        self._fenced.pop(td.claim.uid, None)
+        self._status.pop(td.claim.uid, None)
+        self._claims.pop(td.claim.uid, None)
+        self.store.save()
+
+    def ensure_fenced(self, td: Teardown) -> None:
+        """Makes sure, once per process and teardown, that its fence stands (again, after a restart)."""
+        tearing_down = td.state != State.ALLOCATED
+        # Weak mode: the node taint goes up only when the teardown starts, so ensure it again then.
+        level = tearing_down and self.fencer.weak
+        done = self._fenced.get(td.claim.uid)
+        if done is None or (level and not done):
+            self.fencer.fence(td, tearing_down=tearing_down)
+            self._fenced[td.claim.uid] = level
+
+    def _drain_fields(self) -> dict[str, Any]:
+        return {
+            "drain_deadline": self.clock() + self.settings.drain_timeout_s,
+            "retry_at": None,
+            "failure_reported": False,
+        }
+
+    def _fail(self, td: Teardown, category: str, detail: str) -> Outcome:
+        attempts = td.attempts + 1
+        retry_at = None
+        if attempts < self.settings.max_attempts:
+            retry_at = self.clock() + self.settings.retry_backoff_s * 2 ** (attempts - 1)
+        log.error("claim %s: teardown failed (%s: %s); devices stay fenced", td.claim, category, detail)
+        return State.FAILED, {
+            "reason": f"{category}: {detail}",
+            "attempts": attempts,
+            "retry_at": retry_at,
+            "failure_reported": False,
+        }
+
+    # ---------------------------------------------------------------- claim writes
+
+    def _write_claim(self, td: Teardown, updates: dict[str, str]) -> bool:
+        """Sets annotations on the claim; False when the claim is gone (nothing left to annotate).
+
+        The first try patches the copy the last write returned, saving a GET on the teardown's path; the
+        patch's `test` ops make a stale copy fail (Conflict), and then the claim is read afresh."""
+        if not td.claim.name:
+            return False
+        for attempt in range(CONFLICT_RETRIES):
+            claim = self._claims.pop(td.claim.uid, None) if attempt == 0 else None
+            if claim is None:
+                claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+                if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
+                    return False
+                current = (claim.get("metadata") or {}).get("annotations") or {}
+                if all(current.get(k) == v for k, v in updates.items()):
+                    self._claims[td.claim.uid] = claim
+                    return True
+            try:
+                ops = annotation_ops(claim, updates)
+                self._claims[td.claim.uid] = self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
+                return True
+            except NotFound:
+                return False
+            except Conflict:
+                continue
+        raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
+
+    def _announce(self, td: Teardown, status: str, extra: dict[str, str] | None = None) -> None:
+        """Best-effort progress annotation: an API hiccup must not hold up a scrub."""
+        if self._status.get(td.claim.uid) == status:
+            return
+        try:
+            self._write_claim(td, {**(extra or {}), names.ANNOTATION_SCRUB_STATUS: status})
+            self._status[td.claim.uid] = status
+        except ClusterError as exc:
+            log.warning("claim %s: could not set %s=%s: %s", td.claim, names.ANNOTATION_SCRUB_STATUS, status, exc)
+
+    def _devices_annotation(self, td: Teardown) -> str:
+        return devices_annotation(((d.driver, d.pool, d.device), d.uuid) for d in td.devices)
+
+    def _event(self, td: Teardown, reason: str, message: str) -> None:
+        if td.claim.name:
+            namespace = td.claim.namespace
+            involved = {
+                "apiVersion": f"{names.RESOURCE_GROUP}/v1",
+                "kind": "ResourceClaim",
+                "namespace": td.claim.namespace,
+                "name": td.claim.name,
+                "uid": td.claim.uid,
+            }
+        else:
+            namespace, involved = "default", {"apiVersion": "v1", "kind": "Node", "name": self.node}
+        try:
+            event = warning_event(
+                node=self.node, namespace=namespace, involved=involved, reason=reason, message=message, now=self.clock()
+            )
+            self.cluster.create_event(namespace, event)
+        except ClusterError as exc:
+            log.warning("could not record Warning event %s for claim %s: %s", reason, td.claim, exc)
+
+    # ---------------------------------------------------------------- the steps: side effect, then what next
+
+    def _on_allocated(self, td: Teardown) -> Outcome:
+        if self._status.get(td.claim.uid) is None:
+            if td.fence == "rule":
+                self._announce(td, names.SCRUB_FENCED, {names.ANNOTATION_DEVICES: self._devices_annotation(td)})
+            elif self._write_claim(td, {names.ANNOTATION_DEVICES: self._devices_annotation(td)}):
+                # Weak mode: nothing fences the device while it is allocated; say nothing we don't do.
+                self._status[td.claim.uid] = ""
+        return None  # until release
+
+    def _on_released(self, td: Teardown) -> Outcome:
+        # A device that another claim still holds (shared) cannot be drained yet: wait for that claim.
+        for other in self.store.teardowns.values():
+            if other is not td and other.state == State.ALLOCATED and any(other.holds(d.key) for d in td.devices):
+                return None
+        return State.DRAINING, self._drain_fields()
+
+    def _on_draining(self, td: Teardown) -> Outcome:
+        self._announce(td, names.SCRUB_DRAINING)
+        holders = []
+        for device in td.devices:
+            if device.uuid is None:
+                continue  # fails in scrubbing, with the reason
+            try:
+                holders += [f"pid {p.pid} ({p.kind}) on {device.uuid}" for p in self.backend.processes(device.uuid)]
+            except GpuError as exc:
+                return self._fail(td, "gpu-error", f"cannot list processes on {device.key} ({device.uuid}): {exc}")
+        if not holders:
+            return State.SCRUBBING, {"scrub_started_at": self.clock()}
+        if self.clock() >= (td.drain_deadline or 0):
+            return self._fail(
+                td,
+                "drain-timeout",
+                f"{', '.join(holders)} still running {self.settings.drain_timeout_s:.0f}s after release",
+            )
+        return None  # poll again
+
+    def _on_scrubbing(self, td: Teardown) -> Outcome:
+        self._announce(td, names.SCRUB_SCRUBBING)
+        started = self.clock()
+        scrubbed = []
+        for device in td.devices:
+            if device.uuid is None:
+                return self._fail(
+                    td,
+                    "no-uuid",
+                    f"{device.key} has no uuid attribute in this node's ResourceSlices; cannot tell which GPU to scrub",
+                )
+            try:
+                result = self.backend.scrub(device.uuid)
+            except GpuError as exc:
+                return self._fail(td, "gpu-error", f"cannot reach {device.key} ({device.uuid}) to scrub it: {exc}")
+            self.metrics.scrub_duration.observe(result.duration_s)
+            self.metrics.scrubbed_bytes.inc(result.bytes_scrubbed)
+            if not result.verified:
+                return self._fail(
+                    td, "scrub-failed", f"{device.key} ({device.uuid}): {result.reason or 'not verified'}"
+                )
+            record = ScrubRecord(
+                bytes_scrubbed=result.bytes_scrubbed,
+                bytes_total=result.bytes_total,
+                bytes_reserved=result.bytes_reserved,
+                bytes_unreachable=result.bytes_unreachable,
+                duration_s=result.duration_s,
+                verified=True,
+                method=result.method,
+            )
+            scrubbed.append(device.model_copy(update={"scrub": record}))
+        snapshots = []
+        for device in td.devices:
+            try:
+                snapshots.append(self.backend.health(device.uuid or "", since=td.allocated_at))
+            except GpuError as exc:
+                return self._fail(td, "gpu-error", f"cannot read the health of {device.key} ({device.uuid}): {exc}")
+        problems = [f"{d.uuid}: {p}" for d, s in zip(td.devices, snapshots, strict=True) for p in s.problems()]
+        if problems:
+            return self._fail(td, "unhealthy", "; ".join(problems))
+        return State.VERIFIED, {
+            "devices": scrubbed,
+            "health": _merge_health(snapshots),
+            "scrub_started_at": started,
+            "scrub_finished_at": self.clock(),
+        }
+
+    def _on_verified(self, td: Teardown) -> Outcome:
+        payload = build_payload(
+            namespace=td.claim.namespace,
+            name=td.claim.name,
+            uid=td.claim.uid,
+            node=self.node,
+            devices=[
+                {
+                    "driver": d.driver,
+                    "pool": d.pool,
+                    "device": d.device,
+                    "uuid": d.uuid,
+                    "bytesScrubbed": d.scrub.bytes_scrubbed if d.scrub else 0,
+                    "bytesTotal": d.scrub.bytes_total if d.scrub else 0,
+                    "method": d.scrub.method if d.scrub else "",
+                    "verified": bool(d.scrub and d.scrub.verified),
+                }
+                for d in td.devices
+            ],
+            started_at=_when(td.scrub_started_at),
+            finished_at=_when(td.scrub_finished_at),
+            health=td.health or {},
+        )
+        return State.ATTESTED, {"attestation": self.signer.sign(payload)}
+
+    def _on_attested(self, td: Teardown) -> Outcome:
+        self._write_claim(
+            td,
+            {
+                names.ANNOTATION_DEVICES: self._devices_annotation(td),
+                names.ANNOTATION_ATTESTATION: td.attestation or "",
+                names.ANNOTATION_SCRUB_STATUS: names.SCRUB_VERIFIED,
+            },
+        )
+        return State.UNFENCED, {"reason": None}
+
+    def _on_unfenced(self, td: Teardown) -> Outcome:
+        # Only reachable through a verified scrub and a signed attestation (see the module docstring).
+        self.fencer.lift(td, self.store.teardowns.values())
+        if td.released_at is not None:
+            scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
+            self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
+        log.info("claim %s: %s verified clean; fence lifted", td.claim, ", ".join(d.key for d in td.devices))
+        return State.DONE, {}
+
+    def _on_done(self, td: Teardown) -> Outcome:
+        self._remove_finalizer(td)
+        self._forget(td)
+        return None
+
+    def _on_failed(self, td: Teardown) -> Outcome:
+        if not td.failure_reported:
+            category = (td.reason or "scrub-failed").partition(":")[0]
+            self.fencer.mark_failed(td, category)
+            status = f"{names.SCRUB_FAILED_PREFIX}{td.reason}"[:STATUS_MAX]
+            self._write_claim(td, {names.ANNOTATION_SCRUB_STATUS: status})
+            self._status[td.claim.uid] = status
+            next_step = (
+                f"retrying at {_when(td.retry_at).isoformat(timespec='seconds')}"
+                if td.retry_at is not None
+                else f"waiting for an operator: fix the GPU, then `scrubgate agent rescrub --device {td.devices[0].uuid or td.devices[0].key}`"
+            )
+            self._event(
+                td,
+                "ScrubFailed",
+                f"teardown of {', '.join(d.key for d in td.devices)} on node {self.node} failed "
+                f"(attempt {td.attempts}): {td.reason}; devices stay fenced, {next_step}",
+            )
+            self.metrics.failures.labels(reason=label_value(category)).inc()
+            td.failure_reported = True
+            self.store.save()
+        if td.retry_at is not None and self.clock() >= td.retry_at:
+            log.info("claim %s: retrying teardown (attempt %d)", td.claim, td.attempts + 1)
+            return State.DRAINING, self._drain_fields()
+        return None
+
+    def _remove_finalizer(self, td: Teardown) -> None:
+        if not td.claim.name or not td.attestation:
+            return
+        for _ in range(CONFLICT_RETRIES):
+            claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+            if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
+                return
+            annotations = (claim.get("metadata") or {}).get("annotations") or {}
+            if annotations.get(names.ANNOTATION_ATTESTATION) != td.attestation:
+                self._write_claim(td, {names.ANNOTATION_ATTESTATION: td.attestation})
+                continue
+            try:
+                check_claim_attestation(td.attestation, claim, self.signer.public_keys)
+            except AttestationError as exc:
+                # The devices are verified clean and unfenced; only the claim object stays. Say why.
+                log.error("claim %s: keeping finalizer %s: %s", td.claim, names.FINALIZER, exc)
+                self._event(td, "AttestationMismatch", f"finalizer {names.FINALIZER} kept: {exc}")
+                return
+            ops = finalizer_removal_ops(claim, td.attestation)
+            if ops is None:
+                return
+            try:
+                self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
+                return
+            except NotFound:
+                return
+            except Conflict:
+                continue
+        raise Conflict(f"claim {td.claim} kept changing while the agent removed its finalizer; will retry", 409)
+
+
+def _merge_health(snapshots: list[HealthSnapshot]) -> dict[str, Any]:
+    """One `health` object for the attestation over all of the claim's devices."""
+    return {
+        "eccUncorrectable": sum(s.ecc_uncorrectable_volatile for s in snapshots),
+        "remapPending": any(s.remapped_rows_pending for s in snapshots),
+        "xids": sorted({x for s in snapshots for x in s.xids}),
+    }

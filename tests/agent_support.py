@@ -1,0 +1,274 @@
+"""Test bed for the node agent: a simulated GPU node (G's simulated backend, real bytes) and the in-memory
+cluster, plus the invariant monitor every agent test runs under."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import AttestationError, check_claim_attestation
+from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
+from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
+from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
+from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
+from scrubgate.sanitizer_agent.memcluster import InMemoryCluster
+from scrubgate.sanitizer_agent.rescrub import request_dir
+from scrubgate.sanitizer_agent.teardown import Signer, TeardownSettings
+
+NODE = "gpu-node-1"
+DRIVER = "gpu.nvidia.com"
+KID = "agent-test"
+CANARY = b"TENANT-A-SECRET-"
+MEMORY = 256 << 10
+
+
+class FakeClock:
+    """Wall-clock time plus a manual offset, so drain timeouts and retry backoffs pass instantly."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+class Interceptor:
+    """Wraps an object; `on_call(name, phase)` runs before ("before") and after ("after") each method."""
+
+    def __init__(self, target: Any, on_call: Callable[[str, str], None]) -> None:
+        self._target = target
+        self._on_call = on_call
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._on_call(name, "before")
+            result = attr(*args, **kwargs)
+            if hasattr(result, "__next__"):  # a generator (watch): don't intercept its iteration
+                return result
+            self._on_call(name, "after")
+            return result
+
+        return call
+
+
+@dataclass
+class Violations:
+    """What must never happen, checked at the instant it would happen."""
+
+    found: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GpuNode:
+    tmp: Path
+    gpus: list[GpuDevice]
+    cluster: InMemoryCluster
+    clock: FakeClock
+    signer: Signer
+    violations: Violations
+    settings: TeardownSettings
+
+    @property
+    def root(self) -> Path:
+        return self.tmp / "sim"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.tmp / "agent-checkpoint.json"
+
+    def key(self, index: int) -> tuple[str, str, str]:
+        return (DRIVER, NODE, self.device_names[index])
+
+    @property
+    def device_names(self) -> list[str]:
+        return [f"{'mig' if g.is_mig else 'gpu'}-{i}" for i, g in enumerate(self.gpus)]
+
+    def backend(self) -> SimulatedGpu:
+        return SimulatedGpu(self.root)
+
+    def agent(
+        self,
+        *,
+        cluster: Any = None,
+        backend: Any = None,
+        on_transition: Callable[..., None] | None = None,
+        nvidia_checkpoint: Path | None = None,
+    ) -> Agent:
+        """A fresh agent process: new instance, same checkpoint file, same cluster and GPUs."""
+        return Agent(
+            AgentSettings(
+                node=NODE,
+                teardown=self.settings,
+                nvidia_checkpoint=nvidia_checkpoint,
+                rescrub_dir=request_dir(self.checkpoint),
+            ),
+            cluster=cluster or self.cluster,
+            backend=backend or self.backend(),
+            store=CheckpointStore(self.checkpoint, NODE),
+            signer=self.signer,
+            clock=self.clock,
+            on_transition=on_transition,
+        )
+
+    def tenant(self, name: str, devices: list[int], namespace: str = "team-a") -> tuple[dict, dict]:
+        """A claim allocated `devices` and a running pod using it; the tenant fills the memory with a canary."""
+        claim = self.cluster.add_claim(namespace, name, [self.key(i) for i in devices])
+        pod = self.cluster.add_pod(namespace, f"{name}-pod", NODE, [name])
+        for i in devices:
+            simulated.fill(self.root, self.gpus[i].uuid, CANARY)
+        return claim, pod
+
+    def finish(self, pod: dict, *, controller: bool = True) -> dict:
+        """The pod completes; the resourceclaim controller deallocates and deletes its generated claim."""
+        done = self.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded")
+        if controller:
+            for status in done["status"]["resourceClaimStatuses"]:
+                namespace = done["metadata"]["namespace"]
+                if (namespace, status["resourceClaimName"]) in self.cluster.claims:
+                    self.cluster.deallocate(namespace, status["resourceClaimName"])
+                    self.cluster.delete_claim(namespace, status["resourceClaimName"])
+        return done
+
+    def clean(self, index: int) -> bool:
+        return simulated.read(self.root, self.gpus[index].uuid).count(0) == MEMORY
+
+    def canary_present(self, index: int) -> bool:
+        return CANARY in simulated.read(self.root, self.gpus[index].uuid, 0, 4096)
+
+    def fenced(self, index: int) -> bool:
+        return names.TAINT_UNSANITIZED in self.cluster.taints_on(*self.key(index))
+
+    def settle(self, agent: Agent, *, rounds: int = 50) -> None:
+        """Tick until nothing is left to do now (drain polls and backoffs pass on the fake clock)."""
+        for _ in range(rounds):
+            agent.tick()
+            # After a tick, a teardown still released is waiting for a claim sharing its device.
+            idle = (State.ALLOCATED, State.RELEASED, State.FAILED)
+            pending = [td for td in agent.store.teardowns.values() if td.state not in idle]
+            if not pending:
+                return
+            self.clock.advance(1.0)
+        raise AssertionError(f"agent did not settle: {[(t.claim.name, t.state) for t in pending]}")
+
+
+def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple[str, ...] = ("v1",)) -> GpuNode:
+    devices = simulated.create_inventory(
+        tmp / "sim", gpus=gpus, mig_per_gpu=mig_per_gpu, memory_bytes=MEMORY, mig_memory_bytes=MEMORY
+    )
+    violations = Violations()
+    node = GpuNode(
+        tmp=tmp,
+        gpus=devices,
+        cluster=InMemoryCluster(taint_rule_versions=versions),
+        clock=FakeClock(),
+        signer=Signer(Ed25519PrivateKey.generate(), KID),
+        violations=violations,
+        settings=TeardownSettings(drain_timeout_s=5.0, max_attempts=2, retry_backoff_s=10.0),
+    )
+    node.cluster.add_node(NODE)
+    node.cluster.add_slice(
+        NODE,
+        DRIVER,
+        NODE,
+        {
+            name: {"uuid": g.uuid, **({"parentUUID": g.parent_uuid} if g.parent_uuid else {})}
+            for name, g in zip(node.device_names, devices, strict=True)
+        },
+    )
+    node.cluster.hook = _monitor(node)
+    return node
+
+
+def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
+    """Before every API call: a fence is deleted only from a clean device; the finalizer is removed only
+    from a claim carrying an attestation that verifies for it."""
+    by_rule: dict[str, int] = {}
+
+    def check(operation: str, args: tuple[Any, ...]) -> None:
+        if operation == "create_device_taint_rule":
+            rule = args[1]
+            selector = rule["spec"]["deviceSelector"]
+            key = (selector["driver"], selector["pool"], selector["device"])
+            by_rule[rule["metadata"]["name"]] = [node.key(i) for i in range(len(node.gpus))].index(key)
+        elif operation == "delete_device_taint_rule":
+            rule = node.cluster.rules.get(args[1])
+            index = by_rule.get(args[1])
+            if rule and rule["spec"]["taint"]["key"] == names.TAINT_UNSANITIZED and not node.clean(index):
+                node.violations.found.append(f"fence {args[1]} deleted while device {index} is dirty")
+        elif operation == "patch_claim":
+            namespace, name, ops = args
+            removes = any(op["path"] == "/metadata/finalizers" and op["op"] == "replace" for op in ops)
+            claim = node.cluster.claims.get((namespace, name))
+            if removes and claim is not None:
+                token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION, "")
+                try:
+                    check_claim_attestation(token, claim, node.signer.public_keys)
+                except AttestationError as exc:
+                    node.violations.found.append(f"finalizer of {namespace}/{name} removed without attestation: {exc}")
+
+    return check
+
+
+def claim_annotations(node: GpuNode, name: str, namespace: str = "team-a") -> dict[str, str]:
+    claim = node.cluster.claims.get((namespace, name))
+    return dict((claim or {}).get("metadata", {}).get("annotations") or {})
+
+
+def recorded(node: GpuNode, name: str, namespace: str = "team-a") -> list[dict[str, Any]]:
+    return json.loads(claim_annotations(node, name, namespace)[names.ANNOTATION_DEVICES])
+
+
+def eventually(check: Callable[[], object], what: str, timeout: float = 30.0, alive: Callable[[], bool] = lambda: True):
+    """Polls `check` until it returns something truthy (returned); fails after `timeout` or once `alive()` is false."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if not alive() or time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return result
+
+
+def seed_api(node: GpuNode, cluster: Any, core: Any) -> dict[str, Any]:
+    """Puts the node, its ResourceSlice and a running pod holding claim team-a/train (allocated gpu-0, with
+    the webhook's finalizer) into a real API (devcluster) through `cluster` (KubernetesClusterClient)."""
+    core.create_namespace({"metadata": {"name": "team-a"}})
+    core.create_node({"metadata": {"name": NODE}})
+    for resource_slice in node.cluster.slices:
+        cluster._call("POST", "/apis/resource.k8s.io/v1/resourceslices", body=resource_slice)
+    claims = "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims"
+    cluster._call("POST", claims, body={
+        "metadata": {"name": "train", "finalizers": [names.FINALIZER]},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+    })  # fmt: skip
+    pod = core.create_namespaced_pod("team-a", {"metadata": {"name": "train-0"}, "spec": {
+        "nodeName": NODE, "containers": [{"name": "main", "image": "trainer"}],
+        "resourceClaims": [{"name": "gpu", "resourceClaimName": "train"}],
+    }})  # fmt: skip
+    claim = cluster.get_claim("team-a", "train")
+    claim["status"] = {
+        "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}},
+        "reservedFor": [{"resource": "pods", "name": "train-0", "uid": pod.metadata.uid}],
+    }
+    cluster._call("PUT", f"{claims}/train/status", body=claim)
+    return claim
+
+
+def finalizer_removed(cluster: Any) -> Callable[[], dict[str, Any] | None]:
+    def check() -> dict[str, Any] | None:
+        claim = cluster.get_claim("team-a", "train")
+        return claim if claim and names.FINALIZER not in claim["metadata"].get("finalizers", []) else None
+
+    return check

@@ -1,0 +1,115 @@
+"""The agent's checkpoint: atomic replacement, and loud refusal of anything it cannot read for sure."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from agent_support import make_node
+from scrubgate.sanitizer_agent import checkpoint as ck
+from scrubgate.sanitizer_agent.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    ClaimRef,
+    DeviceRecord,
+    State,
+    Teardown,
+)
+
+
+def _store(tmp_path, node="n1") -> CheckpointStore:
+    store = CheckpointStore(tmp_path / "ck.json", node)
+    store.teardowns["uid-1"] = Teardown(
+        claim=ClaimRef(namespace="ns", name="c", uid="uid-1"),
+        devices=[DeviceRecord(driver="d", pool="p", device="g0", uuid="GPU-1", fence_rule="r1", failed_rule="r2")],
+        state=State.SCRUBBING,
+        fence="rule",
+        allocated_at=1.0,
+    )
+    return store
+
+
+def test_round_trip(tmp_path):
+    _store(tmp_path).save()
+    again = CheckpointStore(tmp_path / "ck.json", "n1")
+    again.load()
+    assert again.teardowns["uid-1"].state == State.SCRUBBING
+    assert again.teardowns["uid-1"].devices[0].key == "d/p/g0"
+
+
+def test_missing_file_is_an_empty_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path / "absent.json", "n1")
+    store.load()
+    assert store.teardowns == {}
+
+
+def test_torn_temp_file_never_corrupts_the_real_one(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    store.save()
+    before = (tmp_path / "ck.json").read_bytes()
+
+    # A crash mid-write leaves a torn temp file next to the checkpoint.
+    (tmp_path / ".ck.json.tmp").write_bytes(b'{"version": 1, "node": "n1", "teardo')
+    again = CheckpointStore(tmp_path / "ck.json", "n1")
+    again.load()
+    assert again.teardowns["uid-1"].state == State.SCRUBBING
+
+    # A crash between writing the temp file and the rename: the old checkpoint stands.
+    store.teardowns["uid-1"].state = State.VERIFIED
+
+    def die(*_):
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", die)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        store.save()
+    assert (tmp_path / "ck.json").read_bytes() == before
+    monkeypatch.undo()
+    store.save()
+    assert json.loads((tmp_path / "ck.json").read_text())["teardowns"]["uid-1"]["state"] == "verified"
+    assert not (tmp_path / ".ck.json.tmp").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"version": 2, "node": "n1", "teardowns": {}}', "version 2; this agent reads version 1"),
+        ('{"node": "n1"}', "version None"),
+        ("{not json", "is not JSON"),
+        ('{"version": 1, "node": "n1", "teardowns": {"u": {"state": "sideways"}}}', "damaged"),
+        ('{"version": 1, "node": "other-node", "teardowns": {}}', "belongs to node 'other-node'"),
+    ],
+    ids=["future-version", "no-version", "not-json", "unknown-state", "other-node"],
+)
+def test_unreadable_checkpoint_is_refused_loudly(tmp_path, content, message):
+    (tmp_path / "ck.json").write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        CheckpointStore(tmp_path / "ck.json", "n1").load()
+
+
+def test_agent_refuses_to_start_on_a_future_checkpoint_and_touches_nothing(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    data = json.loads(node.checkpoint.read_text())
+    data["version"] = 99
+    node.checkpoint.write_text(json.dumps(data))
+    node.finish(pod)
+    calls = len(node.cluster.calls)
+    with pytest.raises(CheckpointError, match="version 99"):
+        node.agent().start()
+    assert node.cluster.calls[calls:] == [], "not a single API call"
+    assert node.fenced(0)
+
+
+def test_write_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_mode), real(fd)))
+    ck.write_atomic(tmp_path / "f.json", b"{}")
+    import stat
+
+    assert [stat.S_ISREG(m) for m in synced] == [True, False], "the file, then its directory"

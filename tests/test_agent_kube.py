@@ -1,0 +1,279 @@
+"""The agent's Kubernetes side: reading claims, pods and slices; fence discovery and its fallbacks; the real
+KubernetesClusterClient over HTTP against the API stand-in (devcluster), including a whole teardown."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import jsonpatch
+import pytest
+from agent_support import CANARY, DRIVER, NODE, claim_annotations, eventually, finalizer_removed, make_node, seed_api
+from kubernetes import client
+from scrubgate.policies import names
+from scrubgate.policies.attestation import check_claim_attestation
+from scrubgate.sanitizer_agent import claims, nvidia
+from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
+from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
+from scrubgate.sanitizer_agent.gpu import simulated
+from scrubgate.sanitizer_agent.kube import Conflict, KubernetesClusterClient
+from scrubgate.sanitizer_agent.metrics import serve
+
+from devcluster.apiserver import ApiServer
+from devcluster.resources import Surface
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------- reading the API's objects
+
+
+def test_release_reasons():
+    claim = {
+        "metadata": {"uid": "u1"},
+        "status": {"allocation": {"devices": {}}, "reservedFor": [{"resource": "pods", "name": "p", "uid": "p1"}]},
+    }
+    assert claims.release_reason(claim, "u1", set()) is None
+    assert claims.release_reason(claim, "u1", {"p1"}) == "pod p terminal or deleted"
+    assert claims.release_reason(None, "u1", set()) == "claim deleted"
+    assert claims.release_reason({**claim, "metadata": {"uid": "u2"}}, "u1", set()).startswith("claim deleted")
+    deleting = {**claim, "metadata": {"uid": "u1", "deletionTimestamp": "2025-01-01T00:00:00Z"}}
+    assert claims.release_reason(deleting, "u1", set()) == "claim is being deleted"
+    assert claims.release_reason({**claim, "status": {"reservedFor": claim["status"]["reservedFor"]}}, "u1", set()) == (
+        "allocation cleared"
+    )
+    assert claims.release_reason({**claim, "status": {"allocation": {"x": 1}}}, "u1", set()) == (
+        "no longer reserved for any pod"
+    )
+    other = {"resource": "jobs", "name": "j", "uid": "p1"}
+    assert (
+        claims.release_reason({**claim, "status": {"allocation": {"x": 1}, "reservedFor": [other]}}, "u1", {"p1"})
+        is None
+    )
+
+
+def test_slice_devices_read_every_shape():
+    v1 = {"spec": {"driver": "gpu.nvidia.com", "pool": {"name": "n1"}, "devices": [
+        {"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-0"}}},
+        {"name": "mig-1", "attributes": {"gpu.nvidia.com/uuid": {"string": "MIG-1"}, "parentUUID": {"string": "GPU-0"}}},
+        {"name": "nic-0", "attributes": {"index": {"int": 0}}},
+    ]}}  # fmt: skip
+    v1beta1 = {"spec": {"driver": "gpu.nvidia.com", "pool": {"name": "n1"}, "devices": [
+        {"name": "gpu-1", "basic": {"attributes": {"uuid": {"string": "GPU-1"}}}},
+    ]}}  # fmt: skip
+    found = claims.slice_devices([v1, v1beta1, {"spec": "garbage"}])
+    assert found[("gpu.nvidia.com", "n1", "gpu-0")] == claims.SliceDevice("GPU-0", None)
+    assert found[("gpu.nvidia.com", "n1", "mig-1")] == claims.SliceDevice("MIG-1", "GPU-0")
+    assert found[("gpu.nvidia.com", "n1", "nic-0")] == claims.SliceDevice(None, None)
+    assert found[("gpu.nvidia.com", "n1", "gpu-1")].uuid == "GPU-1"
+
+
+def test_pod_claim_names_cover_named_and_generated_claims():
+    pod = {
+        "spec": {
+            "resourceClaims": [
+                {"name": "a", "resourceClaimName": "shared"},
+                {"name": "b", "resourceClaimTemplateName": "t"},
+            ]
+        },
+        "status": {"resourceClaimStatuses": [{"name": "b", "resourceClaimName": "pod-b-xyz"}, {"name": "c"}]},
+    }
+    assert claims.pod_claim_names(pod) == ["shared", "pod-b-xyz"]
+
+
+def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
+    bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}
+    ops = claims.annotation_ops(bare, {names.ANNOTATION_SCRUB_STATUS: "fenced"})
+    assert jsonpatch.apply_patch(bare, ops)["metadata"]["annotations"] == {names.ANNOTATION_SCRUB_STATUS: "fenced"}
+    raced = {"metadata": {"uid": "u", "resourceVersion": "6", "annotations": {"theirs": "x"}}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch(raced, ops)
+    ops = claims.annotation_ops(raced, {names.ANNOTATION_SCRUB_STATUS: "verified"})
+    assert jsonpatch.apply_patch(raced, ops)["metadata"]["annotations"] == {
+        "theirs": "x",
+        names.ANNOTATION_SCRUB_STATUS: "verified",
+    }
+
+
+def test_nvidia_checkpoint_is_read_defensively(tmp_path):
+    data = {
+        "checksum": 1,
+        "v2": {"preparedClaims": {
+            "uid-1": {
+                "checkpointState": "PrepareCompleted", "name": "train", "namespace": "team-a",
+                "status": {"allocation": {"devices": {"results": [
+                    {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n1", "device": "gpu-0"}]}}},
+                "preparedDevices": [{"devices": [
+                    {"gpu": {"info": {"uuid": "GPU-0"}, "device": {"poolName": "n1", "deviceName": "gpu-0"}}},
+                    {"mig": {"concrete": {"migUUID": "MIG-3", "parentUUID": "GPU-1"},
+                             "device": {"poolName": "n1", "deviceName": "gpu-1-mig-9-0-1"}}},
+                    {"vfio": {"info": {"uuid": "GPU-7"}}},
+                ]}],
+            },
+            "uid-2": "not an object",
+        }},
+    }  # fmt: skip
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps(data))
+    found = {c.uid: c for c in nvidia.read_prepared_claims(path)}
+    assert found["uid-1"].devices == {
+        ("gpu.nvidia.com", "n1", "gpu-0"): "GPU-0",
+        ("gpu.nvidia.com", "n1", "gpu-1-mig-9-0-1"): "MIG-3",
+    }
+    assert found["uid-1"].loose_uuids == {"GPU-7"}
+    assert (found["uid-1"].namespace, found["uid-1"].name) == ("team-a", "train")
+    assert found["uid-2"].devices == {}
+    path.write_text("{torn")
+    assert nvidia.read_prepared_claims(path) == []
+    assert nvidia.read_prepared_claims(tmp_path / "absent.json") == []
+
+
+def test_claim_prepared_by_nvidia_but_unknown_to_the_agent_is_fenced_and_scrubbed(tmp_path):
+    """The claim was deleted while the agent was away; only NVIDIA's checkpoint still shows it."""
+    node = make_node(tmp_path)
+    simulated.fill(node.root, node.gpus[1].uuid, CANARY)
+    prepared = tmp_path / "nvidia.json"
+    prepared.write_text(json.dumps({"v2": {"preparedClaims": {"gone-uid": {
+        "name": "gone", "namespace": "team-a",
+        "preparedDevices": [{"devices": [{"gpu": {"info": {"uuid": node.gpus[1].uuid}}}]}],
+    }}}}))  # fmt: skip
+    agent = node.agent(nvidia_checkpoint=prepared)
+    fences: list[str] = []
+    monitor = node.cluster.hook
+
+    def hook(operation, args):
+        monitor(operation, args)
+        if operation == "create_device_taint_rule":
+            fences.append(args[1]["spec"]["deviceSelector"]["device"])
+
+    node.cluster.hook = hook
+    agent.start()
+    assert fences == ["gpu-1"], "mapped through the slice's uuid attribute, and fenced"
+    node.settle(agent)
+    assert node.clean(1) and not node.cluster.rules and agent.store.teardowns == {}
+
+
+# ---------------------------------------------------------------- fences: discovery and the weak fallback
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta2", "v1alpha3"])
+def test_fence_uses_the_newest_served_device_taint_rule_version(tmp_path, version):
+    node = make_node(tmp_path, versions=(version,))
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    (rule,) = node.cluster.rules.values()
+    assert rule["apiVersion"] == f"resource.k8s.io/{version}"
+    assert rule["spec"] == {
+        "deviceSelector": {"driver": DRIVER, "pool": NODE, "device": "gpu-0"},
+        "taint": {"key": names.TAINT_UNSANITIZED, "value": claim["metadata"]["uid"], "effect": "NoSchedule"},
+    }
+    assert agent.metrics.registry.get_sample_value("scrubgate_agent_weak_fence") == 0
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    assert not node.cluster.rules and node.clean(0)
+
+
+def test_without_device_taint_rules_the_node_taint_fences_the_teardown_and_says_so(tmp_path, caplog):
+    node = make_node(tmp_path, versions=())
+    agent = node.agent()
+    agent.start()
+    assert "WEAK FENCE" in caplog.text
+    assert agent.metrics.registry.get_sample_value("scrubgate_agent_weak_fence") == 1
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    assert node.cluster.node_taints(NODE) == [], "nothing fences an allocated device in weak mode"
+    assert names.ANNOTATION_SCRUB_STATUS not in claim_annotations(node, "job"), "and the status does not pretend"
+
+    seen: list[list[str]] = []
+    backend = node.backend()
+    original = backend.scrub
+
+    def scrub(uuid: str):
+        seen.append(node.cluster.node_taints(NODE))
+        return original(uuid)
+
+    backend.scrub = scrub
+    agent.backend = agent.engine.backend = backend
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    assert seen == [[names.TAINT_UNSANITIZED]], "the node was tainted while the device was scrubbed"
+    assert node.cluster.node_taints(NODE) == [] and node.clean(0)
+    assert agent.metrics.registry.get_sample_value("scrubgate_agent_node_taint_fences_total") == 1
+
+
+def test_weak_fence_failure_keeps_both_node_taints(tmp_path):
+    node = make_node(tmp_path, versions=())
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    simulated.inject_fault(node.root, node.gpus[0].uuid, "verify_mismatch")
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.FAILED
+    assert node.cluster.node_taints(NODE) == [names.TAINT_SCRUB_FAILED, names.TAINT_UNSANITIZED]
+
+
+# ---------------------------------------------------------------- the real client over HTTP
+
+
+@pytest.mark.parametrize(
+    ("served", "expected"),
+    [
+        (("v1", "v1beta2", "v1alpha3"), "v1"),
+        (("v1beta2", "v1alpha3"), "v1beta2"),
+        (("v1alpha3",), "v1alpha3"),
+        ((), None),
+    ],
+    ids=["v1", "v1beta2", "v1alpha3", "none"],
+)
+def test_real_client_discovers_the_device_taint_rule_version(served, expected):
+    with ApiServer(surface=Surface(taint_rule_versions=served)).start() as server:
+        cluster = KubernetesClusterClient(client.ApiClient(client.Configuration(host=server.url)))
+        assert cluster.device_taint_rule_version() == expected
+
+
+def test_real_client_whole_teardown_against_the_api_stand_in(tmp_path):
+    node = make_node(tmp_path)  # its GPUs; the cluster is devcluster's, over HTTP
+    with ApiServer().start() as server:
+        api = client.ApiClient(client.Configuration(host=server.url))
+        cluster = KubernetesClusterClient(api)
+        core = client.CoreV1Api(api)
+        claim = seed_api(node, cluster, core)
+        agent = Agent(
+            AgentSettings(node=NODE, nvidia_checkpoint=None, resync_s=0.2),
+            cluster=cluster,
+            backend=node.backend(),
+            store=CheckpointStore(node.checkpoint, NODE),
+            signer=node.signer,
+        )
+        http = serve(agent.metrics, agent.healthy, "127.0.0.1", 0)
+        stop = threading.Event()
+        runner = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+        runner.start()
+        try:
+            rules = "/apis/resource.k8s.io/v1/devicetaintrules"
+            eventually(lambda: cluster._call("GET", rules)["items"], "the fence")
+            simulated.fill(node.root, node.gpus[0].uuid, CANARY)
+            eventually(lambda: agent.healthy()[0], "the first tick")
+            with urllib.request.urlopen(f"http://127.0.0.1:{http.server_address[1]}/healthz") as reply:
+                assert reply.status == 200 and reply.read().startswith(b"ok: 1 teardown(s), 1 device(s) fenced")
+
+            core.patch_namespaced_pod_status("train-0", "team-a", {"status": {"phase": "Succeeded"}})
+            done = eventually(finalizer_removed(cluster), "the finalizer's removal")
+            assert node.clean(0)
+            assert cluster._call("GET", rules)["items"] == []
+            check_claim_attestation(
+                done["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], done, node.signer.public_keys
+            )
+            with urllib.request.urlopen(f"http://127.0.0.1:{http.server_address[1]}/metrics") as reply:
+                text = reply.read().decode()
+            assert "scrubgate_agent_scrubbed_bytes_total 262144.0" in text
+            assert "scrubgate_agent_teardown_overhead_seconds_count 1.0" in text
+            with pytest.raises(Conflict):  # a stale finalizer removal fails on the server, not silently
+                cluster.patch_claim("team-a", "train", claims.finalizer_removal_ops(
+                    {**claim, "metadata": {**claim["metadata"], "finalizers": [names.FINALIZER]}}, "token"))  # fmt: skip
+        finally:
+            stop.set()
+            http.shutdown()
+            runner.join(timeout=10)

@@ -1,0 +1,157 @@
+"""The node agent's happy paths on the simulated backend: fence on sight, tear down on release."""
+
+from __future__ import annotations
+
+import pytest
+from agent_support import CANARY, NODE, claim_annotations, make_node, recorded
+from scrubgate.policies import names
+from scrubgate.policies.attestation import check_claim_attestation, verify
+from scrubgate.sanitizer_agent.checkpoint import State
+from scrubgate.sanitizer_agent.gpu import simulated
+
+
+@pytest.mark.parametrize("mig", [False, True], ids=["full-gpu", "mig-slice"])
+def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
+    node = make_node(tmp_path, gpus=2, mig_per_gpu=1 if mig else 0)
+    target = 1 if mig else 0  # with MIG: [gpu, its slice, gpu, its slice]
+    bystander = len(node.gpus) - 1
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("train", [target])
+    simulated.fill(node.root, node.gpus[bystander].uuid, CANARY)  # another tenant's live data
+
+    agent.observe_pod("ADDED", pod)
+    assert node.fenced(target), "fenced on first sight of the allocation"
+    annotations = claim_annotations(node, "train")
+    assert annotations[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
+    assert recorded(node, "train") == [
+        {"driver": "gpu.nvidia.com", "pool": NODE, "device": node.device_names[target], "uuid": node.gpus[target].uuid}
+    ]
+
+    node.finish(pod, controller=False)
+    agent.observe_pod("MODIFIED", node.cluster.pods[pod["metadata"]["uid"]])
+
+    assert node.clean(target) and not node.canary_present(target)
+    assert node.canary_present(bystander), "only the claim's device is scrubbed"
+    assert not node.cluster.rules, "fence lifted after the verified scrub"
+    after = node.cluster.claims[("team-a", "train")]
+    assert names.FINALIZER not in after["metadata"]["finalizers"]
+    token = after["metadata"]["annotations"][names.ANNOTATION_ATTESTATION]
+    payload = check_claim_attestation(token, after, node.signer.public_keys)
+    assert payload["claim"] == {"namespace": "team-a", "name": "train", "uid": claim["metadata"]["uid"]}
+    assert payload["node"] == NODE
+    assert payload["devices"][0]["uuid"] == node.gpus[target].uuid
+    assert payload["devices"][0]["bytesScrubbed"] == simulated.memory_size(node.root, node.gpus[target].uuid)
+    assert payload["health"] == {"eccUncorrectable": 0, "remapPending": False, "xids": []}
+    assert after["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_VERIFIED
+    assert agent.store.teardowns == {}
+    assert node.violations.found == []
+
+
+@pytest.mark.parametrize("release", ["pod-succeeded", "pod-deleted", "deallocated", "claim-deleted"])
+def test_each_kind_of_release_starts_the_teardown(tmp_path, release):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    uid = pod["metadata"]["uid"]
+    if release == "pod-succeeded":
+        agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(uid, "Succeeded"))
+    elif release == "pod-deleted":
+        agent.observe_pod("DELETED", node.cluster.delete_pod(uid))
+    elif release == "deallocated":
+        node.cluster.deallocate("team-a", "job")
+        agent.resync()
+    else:
+        node.cluster.delete_claim("team-a", "job")
+        agent.resync()
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    if release == "claim-deleted":
+        assert ("team-a", "job") not in node.cluster.claims, "the finalizer held it until the attestation"
+    assert node.violations.found == []
+
+
+def test_claim_still_reserved_by_a_running_pod_is_not_released(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("shared", [0])
+    other = node.cluster.add_pod("team-a", "second", NODE, ["shared"])
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    agent.resync()
+    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED
+    assert node.fenced(0) and node.canary_present(0)
+    agent.observe_pod("DELETED", node.cluster.delete_pod(other["metadata"]["uid"]))
+    assert node.clean(0) and not node.cluster.rules
+
+
+def test_device_shared_by_two_claims_waits_for_both(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    first, pod_a = node.tenant("a", [0])
+    node.cluster.add_claim("team-a", "b", [node.key(0)])
+    pod_b = node.cluster.add_pod("team-a", "b-pod", NODE, ["b"])
+    agent.observe_pod("ADDED", pod_a)
+    agent.observe_pod("ADDED", pod_b)
+    assert len(node.cluster.rules) == 2, "one fence per claim and device"
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod_a["metadata"]["uid"], "Succeeded"))
+    node.settle(agent)
+    assert agent.store.teardowns[first["metadata"]["uid"]].state == State.RELEASED, "not drained under claim b"
+    assert node.canary_present(0) and node.fenced(0)
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod_b["metadata"]["uid"], "Succeeded"))
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules and agent.store.teardowns == {}
+    assert node.violations.found == []
+
+
+def test_drain_waits_for_processes_to_exit(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    simulated.attach(node.root, node.gpus[0].uuid, pid=4_000_000)  # exits only when we say
+    simulated.inject_fault(node.root, node.gpus[0].uuid, "linger")
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    td = agent.store.teardowns[claim["metadata"]["uid"]]
+    assert td.state == State.DRAINING and node.fenced(0) and node.canary_present(0)
+    assert claim_annotations(node, "job")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_DRAINING
+    simulated.clear_faults(node.root)
+    simulated.detach(node.root, node.gpus[0].uuid, pid=4_000_000)
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+
+
+def test_allocation_seen_after_release_is_still_scrubbed_from_the_devices_annotation(tmp_path):
+    """The agent was away while the pod ran and finished: the claim is deallocated, but the agent's
+    devices annotation (written at first sight by its previous run) says what it held."""
+    node = make_node(tmp_path)
+    _, pod = node.tenant("job", [0])
+    first = node.agent()
+    first.start()
+    node.checkpoint.unlink()  # the checkpoint was lost with the node's disk
+    node.finish(pod)
+    agent = node.agent()
+    agent.start()
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    assert ("team-a", "job") not in node.cluster.claims
+    assert node.violations.found == []
+
+
+def test_attestation_header_names_the_configured_key(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0, 1])
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    token = claim_annotations(node, "job")[names.ANNOTATION_ATTESTATION]
+    payload = verify(token, node.signer.public_keys)
+    assert sorted(d["device"] for d in payload["devices"]) == ["gpu-0", "gpu-1"]
+    assert all(d["verified"] for d in payload["devices"])
+    assert node.clean(0) and node.clean(1)
