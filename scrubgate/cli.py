@@ -65,13 +65,13 @@ def run_check_command(args: argparse.Namespace) -> int:
     if args.fix:
         from .fix import fix_all
 
-        stream, fixed = fix_all(result.objects, in_place=args.in_place)
+        stream, fixed, problems = fix_all(result.objects, in_place=args.in_place)
         # The patched documents own stdout; the report goes to stderr so that `--fix > fixed.yaml` works.
         out = sys.stderr
         if not args.in_place:
             sys.stdout.write(stream)
-        for checked in result.objects:
-            checked.findings = [f for f in checked.findings if not f.patch]
+        for problem in problems:
+            print(f"scrubgate check: {problem}", file=sys.stderr)
         print(f"scrubgate check: fixed {fixed} finding(s)", file=sys.stderr)
         report = build_report(result)
     if args.format == "json":
@@ -115,10 +115,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, help_text, module, add, run in COMPONENTS:
         if wanted in (None, name) or wanted not in {c[0] for c in COMPONENTS} | {"check"}:
-            try:
-                _add_component(sub, name, help_text, module, add, run)
-            except ImportError:
-                continue
+            _add_component(sub, name, help_text, module, add, run)
     return parser
 
 
