@@ -139,6 +139,15 @@ class Agent:
             self._slices = slice_devices(self.cluster.list_node_slices(self.node))
         except ClusterError as exc:
             log.warning("cannot list ResourceSlices of node %s (%s); keeping the last known devices", self.node, exc)
+            return
+        # A teardown that may be dirty fences what now shares memory with its devices (at start, this also
+        # covers teardowns begun while the slices could not be read). It calls the API only for a new fence,
+        # which is too urgent to wait out a teardown's backoff.
+        for td in list(self.store.teardowns.values()):
+            try:
+                self.engine.cover_overlaps(td, self._slices)
+            except ClusterError as exc:
+                self._backoff(td, exc)
 
     def _slice(self, key: DeviceKey) -> SliceDevice | None:
         """The device in this node's slices; an unknown one re-reads them (at most every few seconds, since
@@ -240,7 +249,9 @@ class Agent:
     ) -> Teardown | None:
         now = self.clock()
         try:
-            return self.engine.begin(ref, devices, source=source, allocated_at=min(since or now, now))
+            return self.engine.begin(
+                ref, devices, source=source, allocated_at=min(since or now, now), slices=self._slices
+            )
         except ClusterError as exc:
             td = self.store.teardowns.get(ref.uid)
             if td is not None:

@@ -65,25 +65,42 @@ class ScrubRecord(_Model):
     reason: str | None = None
 
 
-class DeviceRecord(_Model):
+class FencedDevice(_Model):
+    """A device a teardown keeps fenced until its own devices are verified clean."""
+
     driver: str
     pool: str
     device: str
     # The GPU (or MIG device) UUID from the ResourceSlice's `uuid` attribute; None when the slice did
-    # not say, in which case the scrub fails closed.
+    # not say (for a claim's own device the scrub then fails closed).
     uuid: str | None
     fence_rule: str  # our DeviceTaintRule with scrubgate.dev/unsanitized for this claim and device
-    failed_rule: str  # our DeviceTaintRule with scrubgate.dev/scrub-failed, while failed
-    scrub: ScrubRecord | None = None
 
     @property
     def key(self) -> str:
         return f"{self.driver}/{self.pool}/{self.device}"
 
 
+class DeviceRecord(FencedDevice):
+    """One of the claim's own devices: drained, scrubbed and attested."""
+
+    failed_rule: str  # our DeviceTaintRule with scrubgate.dev/scrub-failed, while failed
+    scrub: ScrubRecord | None = None
+
+
+class OverlapRecord(FencedDevice):
+    """A device of this node whose memory overlaps one of the claim's (the GPU a MIG device is carved
+    from, or a MIG device carved from the claim's GPU). With partitionable devices (dynamic MIG) they
+    share counters, so the scheduler may hand it out as soon as the claim's device is released, while
+    that memory is still dirty. Fenced, never scrubbed itself: it is clean once the claim's devices are."""
+
+    shares_memory_with: list[str]  # keys of the claim's devices it overlaps
+
+
 class Teardown(_Model):
     claim: ClaimRef
     devices: list[DeviceRecord]
+    overlaps: list[OverlapRecord] = []
     state: State
     fence: FenceKind
     # Where the teardown was learnt from: "cluster" (a claim on this node) or "nvidia-checkpoint".
@@ -103,6 +120,11 @@ class Teardown(_Model):
 
     def holds(self, key: str) -> bool:
         return any(d.key == key for d in self.devices)
+
+    def fenced(self) -> list[FencedDevice]:
+        """Every device this teardown keeps fenced until its own are verified clean: what first sight and
+        a restart fence, and what the unfence after a verified scrub lifts."""
+        return [*self.devices, *self.overlaps]
 
 
 class CheckpointFile(_Model):

@@ -4,7 +4,7 @@ the dicts the API returns (resource.k8s.io v1, v1beta2 and v1beta1 shapes alike)
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -212,6 +212,21 @@ def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevi
                 parent_uuid=_string_attribute(attributes, driver, "parentUUID"),
             )
     return found
+
+
+def overlapping(key: DeviceKey, slices: Mapping[DeviceKey, SliceDevice]) -> list[DeviceKey]:
+    """The devices in `slices` whose memory overlaps `key`'s: the GPU it is carved from (the one whose
+    `uuid` is its `parentUUID`) and the MIG devices carved from it (whose `parentUUID` is its `uuid`).
+    A MIG device not yet created may publish no `uuid` of its own, so children match on theirs alone."""
+    device = slices.get(key)
+    if device is None:
+        return []
+    return [
+        other
+        for other, d in slices.items()
+        if other != key
+        and ((device.parent_uuid and d.uuid == device.parent_uuid) or (device.uuid and d.parent_uuid == device.uuid))
+    ]
 
 
 # ---------------------------------------------------------------- events

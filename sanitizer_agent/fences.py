@@ -6,6 +6,10 @@ failed teardown. One rule per claim *and* device (not per device) so that a devi
 fenced until both are torn down. Rule names derive from the claim UID and the device, so creating and
 deleting are idempotent and a restarted agent finds its own rules again.
 
+A teardown also fences the devices whose memory overlaps its own (a MIG device's parent GPU, a GPU's MIG
+devices; see `OverlapRecord`), with the same per-claim rules: a GPU that slices of two claims overlap
+stays fenced until both are torn down. Only the claim's own devices get the scrub-failed rule.
+
 Where no DeviceTaintRule API is served the fence falls back to a node taint during teardown: weaker,
 because it is not there while the claim holds the device, and the scheduler can hand the device out
 between the claim's release and the taint. The agent says so loudly and counts it.
@@ -20,13 +24,15 @@ from typing import Any
 
 from scrubgate.policies import names
 
-from .checkpoint import DeviceRecord, State, Teardown
+from .checkpoint import FencedDevice, OverlapRecord, State, Teardown
 from .kube import ClusterClient, Conflict
 from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
 CONFLICT_RETRIES = 5
+# On a rule fencing a device for the memory it shares with the claim's: which of the claim's devices.
+SHARES_MEMORY_ANNOTATION = "scrubgate.dev/shares-memory-with"
 
 
 def rule_name(taint_key: str, claim_uid: str, device_key: str) -> str:
@@ -61,15 +67,15 @@ class Fencer:
     def weak(self) -> bool:
         return self.rule_version is None
 
-    def _rule(self, td: Teardown, name: str, device: DeviceRecord, taint_key: str, value: str) -> dict[str, Any]:
+    def _rule(self, td: Teardown, name: str, device: FencedDevice, taint_key: str, value: str) -> dict[str, Any]:
+        annotations = {"scrubgate.dev/node": self.node, "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}"}
+        if isinstance(device, OverlapRecord):
+            annotations[SHARES_MEMORY_ANNOTATION] = ", ".join(device.shares_memory_with)
         return {
             "metadata": {
                 "name": name,
                 "labels": {"app.kubernetes.io/managed-by": "scrubgate-agent", "scrubgate.dev/claim-uid": td.claim.uid},
-                "annotations": {
-                    "scrubgate.dev/node": self.node,
-                    "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}",
-                },
+                "annotations": annotations,
             },
             "spec": {
                 "deviceSelector": {"driver": device.driver, "pool": device.pool, "device": device.device},
@@ -78,9 +84,9 @@ class Fencer:
         }
 
     def fence(self, td: Teardown, tearing_down: bool) -> None:
-        """Ensures the unsanitized fence: a rule per device, or (weak mode, during teardown) the node taint."""
+        """Ensures the unsanitized fence: a rule per fenced device, or (weak mode, during teardown) the node taint."""
         if self.rule_version:
-            for device in td.devices:
+            for device in td.fenced():
                 body = self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
                 self.cluster.create_device_taint_rule(self.rule_version, body)
         elif tearing_down:
@@ -100,10 +106,11 @@ class Fencer:
         """Deletes this teardown's fences, and only those: call it only after a verified scrub.
         In weak mode the node taints go only when no other teardown still needs them."""
         if self.rule_version:
-            for device in td.devices:
-                if td.attempts:  # it failed at some point: a scrub-failed rule may exist
+            if td.attempts:  # it failed at some point: scrub-failed rules may exist
+                for device in td.devices:
                     self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
-                self.cluster.delete_device_taint_rule(self.rule_version, device.fence_rule)
+            for fenced in td.fenced():
+                self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule)
             return
         others = [o for o in others if o.claim.uid != td.claim.uid]
         if not any(o.state == State.FAILED for o in others):

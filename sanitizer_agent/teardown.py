@@ -9,13 +9,15 @@ The state in the checkpoint therefore names the next step to (re)do, and a resta
 resumes: it re-ensures the fences of every teardown that may still be dirty, then carries on. A fence
 is deleted only in `unfenced`, which only follows a verified scrub and a signed attestation; the
 finalizer is removed only in `done`, after the claim carries an attestation that verifies for it.
+What a teardown fences is `Teardown.fenced()`: its devices and those sharing memory with them, all in
+the checkpoint before any of them is fenced.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,8 +33,17 @@ from scrubgate.policies.attestation import (
     sign,
 )
 
-from .checkpoint import CheckpointStore, ClaimRef, DeviceRecord, ScrubRecord, State, Teardown
-from .claims import DeviceKey, annotation_ops, devices_annotation, finalizer_removal_ops, key_str, warning_event
+from .checkpoint import CheckpointStore, ClaimRef, DeviceRecord, OverlapRecord, ScrubRecord, State, Teardown
+from .claims import (
+    DeviceKey,
+    SliceDevice,
+    annotation_ops,
+    devices_annotation,
+    finalizer_removal_ops,
+    key_str,
+    overlapping,
+    warning_event,
+)
 from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend, GpuError, HealthSnapshot
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
@@ -85,6 +96,29 @@ def _when(ts: float | None) -> datetime:
     return datetime.fromtimestamp(ts or 0.0, UTC)
 
 
+def overlap_records(
+    claim_uid: str, devices: list[DeviceRecord], slices: Mapping[DeviceKey, SliceDevice]
+) -> list[OverlapRecord]:
+    """The fences a claim's teardown owes the devices of this node that share memory with its `devices`."""
+    own = {d.key for d in devices}
+    found: dict[DeviceKey, list[str]] = {}
+    for device in devices:
+        for key in overlapping((device.driver, device.pool, device.device), slices):
+            if key_str(key) not in own:
+                found.setdefault(key, []).append(device.key)
+    return [
+        OverlapRecord(
+            driver=key[0],
+            pool=key[1],
+            device=key[2],
+            uuid=slices[key].uuid,
+            fence_rule=rule_name(names.TAINT_UNSANITIZED, claim_uid, key_str(key)),
+            shares_memory_with=of,
+        )
+        for key, of in found.items()
+    ]
+
+
 class TeardownEngine:
     def __init__(
         self,
@@ -118,9 +152,16 @@ class TeardownEngine:
     # ---------------------------------------------------------------- entry points
 
     def begin(
-        self, claim: ClaimRef, devices: list[tuple[DeviceKey, str | None]], *, source: str, allocated_at: float
+        self,
+        claim: ClaimRef,
+        devices: list[tuple[DeviceKey, str | None]],
+        *,
+        source: str,
+        allocated_at: float,
+        slices: Mapping[DeviceKey, SliceDevice],
     ) -> Teardown:
-        """A new allocation on this node: record it, then fence it."""
+        """A new allocation on this node: record it (with the devices of `slices` sharing memory with it),
+        then fence it."""
         records = [
             DeviceRecord(
                 driver=key[0],
@@ -135,6 +176,7 @@ class TeardownEngine:
         td = Teardown(
             claim=claim,
             devices=records,
+            overlaps=overlap_records(claim.uid, records, slices),
             state=State.ALLOCATED,
             fence="node" if self.fencer.weak else "rule",
             source=source,
@@ -142,9 +184,33 @@ class TeardownEngine:
         )
         self.store.teardowns[claim.uid] = td
         log.info("claim %s: allocated %s on %s; fencing", claim, ", ".join(d.key for d in records), self.node)
+        if td.overlaps:
+            log.info(
+                "claim %s: also fencing %s (memory shared with its devices)",
+                claim,
+                ", ".join(o.key for o in td.overlaps),
+            )
         self._commit(td)
         self.advance(td)
         return td
+
+    def cover_overlaps(self, td: Teardown, slices: Mapping[DeviceKey, SliceDevice]) -> None:
+        """Fences, for a teardown that may still be dirty, the devices of `slices` sharing memory with its
+        own that it does not fence yet (the slices were unknown at first sight, or have changed since);
+        checkpointed first. Fences are only ever added here: a device drops out with the teardown."""
+        if td.state not in FENCED_STATES:
+            return
+        known = {o.key for o in td.overlaps}
+        added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+        if not added:
+            return
+        log.warning(
+            "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
+        )
+        td.overlaps = [*td.overlaps, *added]
+        self._save()
+        self._fenced.pop(td.claim.uid, None)
+        self.ensure_fenced(td)
 
     def release(self, td: Teardown, reason: str) -> None:
         if td.state != State.ALLOCATED:
@@ -180,18 +246,21 @@ class TeardownEngine:
         fenced = failed = 0
         for td in list(self.store.teardowns.values()):  # also read by the /healthz thread
             if td.state in FENCED_STATES and not (td.fence == "node" and td.state == State.ALLOCATED):
-                fenced += len(td.devices)
+                fenced += len(td.fenced())
             if td.state == State.FAILED:
                 failed += len(td.devices)
         return fenced, failed
 
     # ---------------------------------------------------------------- bookkeeping
 
-    def _commit(self, td: Teardown) -> None:
+    def _save(self) -> None:
         self.store.save()
         fenced, failed = self.fenced_devices()
         self.metrics.fenced_devices.set(fenced)
         self.metrics.failed_devices.set(failed)
+
+    def _commit(self, td: Teardown) -> None:
+        self._save()
         if self.on_transition:
             self.on_transition(td, td.state)
 

@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import AttestationError, check_claim_attestation
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
-from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
+from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
+from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
 from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
 from scrubgate.sanitizer_agent.memcluster import InMemoryCluster
@@ -151,6 +152,19 @@ class GpuNode:
     def fenced(self, index: int) -> bool:
         return names.TAINT_UNSANITIZED in self.cluster.taints_on(*self.key(index))
 
+    def overlapping(self, index: int) -> list[int]:
+        """The devices sharing memory with device `index`: its parent GPU, or its MIG slices."""
+        me = self.gpus[index]
+        return [
+            i
+            for i, g in enumerate(self.gpus)
+            if i != index and ((me.parent_uuid and g.uuid == me.parent_uuid) or g.parent_uuid == me.uuid)
+        ]
+
+    def guarded(self, index: int) -> bool:
+        """Device `index` is clean, or it and every device sharing its memory are fenced."""
+        return self.clean(index) or all(self.fenced(i) for i in [index, *self.overlapping(index)])
+
     def settle(self, agent: Agent, *, rounds: int = 50) -> None:
         """Tick until nothing is left to do now (drain polls and backoffs pass on the fake clock)."""
         for _ in range(rounds):
@@ -162,6 +176,75 @@ class GpuNode:
                 return
             self.clock.advance(1.0)
         raise AssertionError(f"agent did not settle: {[(t.claim.name, t.state) for t in pending]}")
+
+
+class Crash(BaseException):
+    """The agent process dies here (BaseException: nothing in the agent may swallow it)."""
+
+
+class CrashPlan:
+    """Counts every API/GPU call (before and after it runs) and every checkpointed transition; dies at one."""
+
+    def __init__(self, at_event: int | None = None, at_state: State | None = None) -> None:
+        self.at_event = at_event
+        self.at_state = at_state
+        self.events = 0
+        self.where = ""
+
+    def _tick(self, where: str) -> None:
+        self.events += 1
+        if self.events == self.at_event:
+            self.where = where
+            raise Crash(where)
+
+    def on_call(self, name: str, phase: str) -> None:
+        self._tick(f"{phase} {name}")
+
+    def on_transition(self, td: Teardown, state: State) -> None:
+        if state == self.at_state:
+            self.at_state = None
+            self.where = f"after checkpointing {state.value}"
+            raise Crash(self.where)
+        self._tick(f"after checkpointing {state.value}")
+
+
+def run_crashing(node: GpuNode, plan: CrashPlan, device: int = 0) -> bool:
+    """One agent lifetime through first sight, release and teardown of a claim on `device`; True if it
+    crashed. The world moves on while the agent is down: a crash after first sight finds the pod finished."""
+    _, pod = node.tenant("train", [device])
+    agent = node.agent(
+        cluster=Interceptor(node.cluster, plan.on_call),
+        backend=Interceptor(node.backend(), plan.on_call),
+        on_transition=plan.on_transition,
+    )
+    try:
+        agent.start()
+    except Crash:
+        return True
+    finished = node.finish(pod)
+    try:
+        agent.observe_pod("MODIFIED", finished)
+        node.settle(agent)
+    except Crash:
+        # Mid-teardown: the device is released, so it (and what shares its memory) must still be fenced
+        # unless already clean.
+        assert node.guarded(device), f"crash {plan.where}: device {device} or its memory unfenced and dirty"
+        return True
+    return False
+
+
+def restart_and_finish(node: GpuNode, device: int = 0) -> None:
+    agent = node.agent()
+    agent.start()
+    assert node.guarded(device), "the restarted agent fenced everything that may be dirty first"
+    for pod in list(node.cluster.pods.values()):  # finishing again is a no-op for a finished pod
+        agent.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(agent)
+    assert node.clean(device), "the restarted agent scrubbed the device"
+    assert not node.cluster.rules, "and lifted its fences"
+    assert ("team-a", "train") not in node.cluster.claims, "the finalizer was removed, so the deleted claim went"
+    assert agent.store.teardowns == {}
+    assert node.violations.found == []
 
 
 def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple[str, ...] = ("v1",)) -> GpuNode:
@@ -195,19 +278,21 @@ def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple
 def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
     """Before every API call: a fence is deleted only from a clean device; the finalizer is removed only
     from a claim carrying an attestation that verifies for it."""
-    by_rule: dict[str, int] = {}
+    by_rule: dict[str, list[int]] = {}  # rule -> the device it selects, then those whose memory it shares
 
     def check(operation: str, args: tuple[Any, ...]) -> None:
+        keys = ["/".join(node.key(i)) for i in range(len(node.gpus))]
         if operation == "create_device_taint_rule":
             rule = args[1]
             selector = rule["spec"]["deviceSelector"]
-            key = (selector["driver"], selector["pool"], selector["device"])
-            by_rule[rule["metadata"]["name"]] = [node.key(i) for i in range(len(node.gpus))].index(key)
+            shares = rule["metadata"]["annotations"].get(SHARES_MEMORY_ANNOTATION)
+            guards = [f"{selector['driver']}/{selector['pool']}/{selector['device']}"]
+            by_rule[rule["metadata"]["name"]] = [keys.index(k) for k in guards + (shares.split(", ") if shares else [])]
         elif operation == "delete_device_taint_rule":
             rule = node.cluster.rules.get(args[1])
-            index = by_rule.get(args[1])
-            if rule and rule["spec"]["taint"]["key"] == names.TAINT_UNSANITIZED and not node.clean(index):
-                node.violations.found.append(f"fence {args[1]} deleted while device {index} is dirty")
+            dirty = [i for i in by_rule.get(args[1], []) if not node.clean(i)]
+            if rule and rule["spec"]["taint"]["key"] == names.TAINT_UNSANITIZED and dirty:
+                node.violations.found.append(f"fence {args[1]} deleted while device {dirty[0]} is dirty")
         elif operation == "patch_claim":
             namespace, name, ops = args
             removes = any(op["path"] == "/metadata/finalizers" and op["op"] == "replace" for op in ops)

@@ -4,78 +4,10 @@ never unfenced and dirty, and the finalizer goes only with a valid attestation."
 from __future__ import annotations
 
 import pytest
-from agent_support import GpuNode, Interceptor, make_node
+from agent_support import CrashPlan, make_node, restart_and_finish, run_crashing
 from scrubgate.policies import names
-from scrubgate.sanitizer_agent.checkpoint import State, Teardown
+from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import simulated
-
-
-class Crash(BaseException):
-    """The agent process dies here (BaseException: nothing in the agent may swallow it)."""
-
-
-class CrashPlan:
-    """Counts every API/GPU call (before and after it runs) and every checkpointed transition; dies at one."""
-
-    def __init__(self, at_event: int | None = None, at_state: State | None = None) -> None:
-        self.at_event = at_event
-        self.at_state = at_state
-        self.events = 0
-        self.where = ""
-
-    def _tick(self, where: str) -> None:
-        self.events += 1
-        if self.events == self.at_event:
-            self.where = where
-            raise Crash(where)
-
-    def on_call(self, name: str, phase: str) -> None:
-        self._tick(f"{phase} {name}")
-
-    def on_transition(self, td: Teardown, state: State) -> None:
-        if state == self.at_state:
-            self.at_state = None
-            self.where = f"after checkpointing {state.value}"
-            raise Crash(self.where)
-        self._tick(f"after checkpointing {state.value}")
-
-
-def run_crashing(node: GpuNode, plan: CrashPlan) -> bool:
-    """One agent lifetime through first sight, release and teardown; True if it crashed.
-    The world moves on while the agent is down: a crash after first sight finds the pod finished."""
-    _, pod = node.tenant("train", [0])
-    agent = node.agent(
-        cluster=Interceptor(node.cluster, plan.on_call),
-        backend=Interceptor(node.backend(), plan.on_call),
-        on_transition=plan.on_transition,
-    )
-    try:
-        agent.start()
-    except Crash:
-        return True
-    finished = node.finish(pod)
-    try:
-        agent.observe_pod("MODIFIED", finished)
-        node.settle(agent)
-    except Crash:
-        # Mid-teardown: the device is released, so it must still be fenced unless already clean.
-        assert node.fenced(0) or node.clean(0), f"crash {plan.where}: device 0 unfenced and dirty"
-        return True
-    return False
-
-
-def restart_and_finish(node: GpuNode) -> None:
-    agent = node.agent()
-    agent.start()
-    for pod in list(node.cluster.pods.values()):  # finishing again is a no-op for a finished pod
-        agent.observe_pod("MODIFIED", node.finish(pod))
-    node.settle(agent)
-    assert node.clean(0), "the restarted agent scrubbed the device"
-    assert not node.cluster.rules, "and lifted its fence"
-    assert ("team-a", "train") not in node.cluster.claims, "the finalizer was removed, so the deleted claim went"
-    assert agent.store.teardowns == {}
-    assert node.violations.found == []
-
 
 STATES = [State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.VERIFIED, State.ATTESTED,
           State.UNFENCED, State.DONE]  # fmt: skip
