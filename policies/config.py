@@ -96,12 +96,30 @@ class PolicyConfig(_Model):
             raise ValueError(f"unknown rule id(s) {', '.join(unknown)}; known: {', '.join(RULES)}")
         return rules
 
+    @cached_property
+    def actions(self) -> dict[str, Action]:
+        """Every rule's effective action; computed once, since the webhook asks for each request."""
+        return {
+            rule_id: settings.action if (settings := self.rules.get(rule_id)) else meta.default_action
+            for rule_id, meta in RULES.items()
+        }
+
     def action(self, rule_id: str) -> Action:
-        settings = self.rules.get(rule_id)
-        return settings.action if settings else RULES[rule_id].default_action
+        return self.actions[rule_id]
+
+    @cached_property
+    def _gpu_class_memo(self) -> dict[str, bool]:
+        return {}
 
     def is_gpu_class(self, device_class: str) -> bool:
-        return any(fnmatch.fnmatchcase(device_class, pattern) for pattern in self.gpu_device_classes)
+        # Clusters have a handful of device classes: remember each answer instead of matching globs per request.
+        memo = self._gpu_class_memo
+        known = memo.get(device_class)
+        if known is None:
+            known = any(fnmatch.fnmatchcase(device_class, pattern) for pattern in self.gpu_device_classes)
+            if len(memo) < 1024:
+                memo[device_class] = known
+        return known
 
     @cached_property
     def public_keys(self) -> dict[str, Ed25519PublicKey]:
