@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The check over the examples, then the lifecycle story on a local stand-in (devcluster/demo.py).
 demo: check-examples
+	$(BIN)/python -m devcluster.demo
 
 check-examples: $(STAMP)
 	@echo "== scrubgate check manifests/examples/good (expect no findings)"

@@ -147,6 +147,7 @@ class ApiServer:
                 return
             self._resource_request(req, user, parts, query)
         except ApiError as e:
+            req.discard_body()  # an error before the body was read must not leave it in a kept-alive stream
             req.send_json(e.code, e.status())
         except (BrokenPipeError, ConnectionResetError):
             pass
@@ -267,8 +268,10 @@ class _HttpServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     app: ApiServer
+    _body_read = False
 
     def do_GET(self) -> None:
+        self._body_read = False  # one handler serves every request of a kept-alive connection
         self.app.handle(self)
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
@@ -277,8 +280,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def json_body(self, optional: bool = False) -> object:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self._read_body()
         if not raw.strip():
             if optional:
                 return None
@@ -287,6 +289,16 @@ class _Handler(BaseHTTPRequestHandler):
             return json.loads(raw)
         except ValueError as e:
             raise bad_request(f"the request body is not JSON: {e}") from e
+
+    def _read_body(self) -> bytes:
+        if self._body_read:
+            return b""
+        self._body_read = True
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def discard_body(self) -> None:
+        self._read_body()
 
     def send_json(self, code: int, body: object, warnings: list[str] | None = None) -> None:
         data = json.dumps(body).encode()

@@ -1,0 +1,244 @@
+"""Watching what happens to ResourceClaims and DeviceTaintRules, and checking scrubgate's invariant over
+it afterwards. Part of the test and demo harness (devcluster/harness.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import AttestationError, check_claim_attestation, claimed_devices
+
+from .processes import wait_for
+
+log = logging.getLogger("devcluster.observer")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One change the observer saw: ``rv`` orders all of them (the stand-in has one counter)."""
+
+    rv: int
+    resource: str  # resourceclaims, devicetaintrules
+    type: str  # ADDED, MODIFIED, DELETED, SYNC (from a list after a gap)
+    obj: dict[str, Any]
+
+
+def first_rv(events: Iterable[Observed], predicate: Callable[[Observed], bool]) -> int | None:
+    """The resourceVersion of the first event that matches; None when none does."""
+    return min((e.rv for e in events if predicate(e)), default=None)
+
+
+def is_allocated(event: Observed) -> bool:
+    return bool(_allocated(event.obj))
+
+
+def is_attested(event: Observed) -> bool:
+    return names.ANNOTATION_ATTESTATION in ((event.obj.get("metadata") or {}).get("annotations") or {})
+
+
+def _allocated(claim: dict[str, Any]) -> set[tuple[str, str, str]]:
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    return {(r.get("driver", ""), r.get("pool", ""), r.get("device", "")) for r in results}
+
+
+def _claim_name(claim: dict[str, Any]) -> str:
+    meta = claim.get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name')} (uid {meta.get('uid')})"
+
+
+def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25519PublicKey]) -> list[str]:
+    """What breaks scrubgate's invariant in a stream of claim changes, in resourceVersion order:
+
+    - a device allocated to a claim while an earlier claim that held it has shown no attestation that
+      verifies (signature, claim UID, that device verified clean);
+    - the ``scrubgate.dev/sanitize`` finalizer gone from a claim whose attestation does not verify, and
+      no break-glass annotation on it (break-glass is allowed by design; it releases the object only).
+    """
+    violations: list[str] = []
+    last: dict[str, dict[str, Any]] = {}
+    clean: dict[str, set[tuple[str, str, str]]] = {}
+    holders: dict[tuple[str, str, str], set[str]] = {}
+    for event in sorted(events, key=lambda e: e.rv):
+        if event.resource != "resourceclaims":
+            continue
+        claim = event.obj
+        meta = claim.get("metadata") or {}
+        uid = meta.get("uid", "")
+        prev = last.get(uid)
+        token = (meta.get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
+        verified: set[tuple[str, str, str]] = set()
+        if token:
+            with contextlib.suppress(AttestationError):
+                payload = check_claim_attestation(token, claim, public_keys)
+                verified = {(d["driver"], d["pool"], d["device"]) for d in payload["devices"]}
+        clean.setdefault(uid, set()).update(verified)
+        before = _allocated(prev) if prev else set()
+        for device in sorted(_allocated(claim) - before):
+            dirty = [other for other in holders.get(device, set()) - {uid} if device not in clean.get(other, set())]
+            for other in dirty:
+                violations.append(
+                    f"rv {event.rv}: {'/'.join(device)} allocated to claim {_claim_name(claim)} while claim "
+                    f"{_claim_name(last[other])} that held it has no verified attestation"
+                )
+            holders.setdefault(device, set()).add(uid)
+        # A DELETED event carries the object as it was stored before the last finalizer went, so the
+        # removal that deleted it shows as the object disappearing with the finalizer still listed.
+        gone = event.type == "DELETED"
+        listed = names.FINALIZER in (meta.get("finalizers") or [])
+        had = names.FINALIZER in ((prev or {}).get("metadata") or {}).get("finalizers", []) or (gone and listed)
+        has = listed and not gone
+        if had and not has and not (meta.get("annotations") or {}).get(names.ANNOTATION_BREAK_GLASS):
+            required = claimed_devices(prev or {}) | claimed_devices(claim)
+            try:
+                if not token:
+                    raise AttestationError("no attestation annotation")
+                check_claim_attestation(token, claim, public_keys, required)
+            except AttestationError as exc:
+                violations.append(f"rv {event.rv}: {names.FINALIZER} removed from claim {_claim_name(claim)}: {exc}")
+        last[uid] = claim  # kept after DELETED too: it may have held a device
+    return violations
+
+
+class Observer:
+    """Watches ResourceClaims and DeviceTaintRules (all namespaces) through the stand-in's HTTP watch and
+    keeps every change, so tests can check orderings after the fact. Survives a restarted or killed
+    API server: it resumes from the last resourceVersion, or lists again (noted in ``gaps``) when the
+    server no longer has it."""
+
+    RESOURCES = ("resourceclaims", "devicetaintrules")
+
+    def __init__(self, port: Callable[[], int], token: str) -> None:
+        self._port = port
+        self._token = token
+        self._lock = threading.Lock()
+        self._events: list[Observed] = []
+        self.gaps: list[str] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._synced: set[str] = set()
+
+    def start(self) -> Observer:
+        for resource in self.RESOURCES:
+            thread = threading.Thread(target=self._run, args=(resource,), name=f"observer-{resource}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        wait_for(lambda: self._synced >= set(self.RESOURCES), 30, "the observer's first list")
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def events(self, resource: str | None = None) -> list[Observed]:
+        with self._lock:
+            found = [e for e in self._events if resource is None or e.resource == resource]
+        return sorted(found, key=lambda e: e.rv)
+
+    def claims(self) -> list[Observed]:
+        return self.events("resourceclaims")
+
+    def taint_rules(self) -> list[Observed]:
+        return self.events("devicetaintrules")
+
+    def violations(self, public_keys: dict[str, Ed25519PublicKey]) -> list[str]:
+        return invariant_violations(self.events(), public_keys)
+
+    # ------------------------------------------------------------------ watching
+
+    def _version(self, resource: str) -> str | None:
+        for version in names.RESOURCE_VERSIONS:
+            status, body = self._get(f"/apis/{names.RESOURCE_GROUP}/{version}")
+            if status == 200 and any(r.get("name") == resource for r in body.get("resources") or []):
+                return version
+        return None
+
+    def _get(self, path: str) -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self._port(), timeout=10)
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self._token}"})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read() or b"{}")
+        finally:
+            conn.close()
+
+    def _record(self, resource: str, kind: str, obj: dict[str, Any], rv: int) -> None:
+        with self._lock:
+            self._events.append(Observed(rv, resource, kind, obj))
+
+    def _run(self, resource: str) -> None:
+        version: str | None = None
+        rv = ""
+        while not self._stop.is_set():
+            try:
+                if version is None:
+                    version = self._version(resource)
+                    if version is None:  # not served (e.g. no DeviceTaintRule API): nothing to watch
+                        self._synced.add(resource)
+                        return
+                path = f"/apis/{names.RESOURCE_GROUP}/{version}/{resource}"
+                if not rv:
+                    status, body = self._get(path)
+                    if status != 200:
+                        raise OSError(f"list {path}: HTTP {status}")
+                    rv = body["metadata"]["resourceVersion"]
+                    for obj in body.get("items") or []:
+                        self._record(resource, "SYNC", obj, int(obj["metadata"]["resourceVersion"]))
+                    self._synced.add(resource)
+                rv = self._watch(resource, path, rv)
+            except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+                if self._stop.is_set():
+                    return
+                log.debug("observer: watch of %s interrupted (%s); resuming", resource, exc)
+                time.sleep(0.2)
+
+    def _watch(self, resource: str, path: str, rv: str) -> str:
+        """One watch call from ``rv``; returns the resourceVersion to resume from ("" to list again)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self._port(), timeout=30)
+        with self._lock:
+            self._conns[resource] = conn
+        try:
+            conn.request(
+                "GET",
+                f"{path}?watch=1&allowWatchBookmarks=true&timeoutSeconds=5&resourceVersion={rv}",
+                headers={"Authorization": f"Bearer {self._token}"},
+            )
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise OSError(f"watch {path}: HTTP {resp.status}")
+            for line in resp:
+                if self._stop.is_set():
+                    break
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    if obj.get("code") == 410:
+                        self.gaps.append(f"{resource}: history from rv {rv} expired; listed again")
+                        return ""
+                    raise OSError(f"watch {path}: {obj.get('message')}")
+                rv = obj["metadata"]["resourceVersion"]
+                if event["type"] != "BOOKMARK":
+                    self._record(resource, event["type"], obj, int(rv))
+            return rv
+        finally:
+            with self._lock:
+                self._conns.pop(resource, None)
+            conn.close()

@@ -1,0 +1,171 @@
+"""What tenants submit, in the shape each resource.k8s.io version wants: claim templates, claims, pods
+and the pods a Job controller would create. Shared by the demo and the end-to-end tests.
+
+``v1``/``v1beta2`` nest a request's fields under ``exactly``; ``v1beta1``/``v1alpha3`` keep them flat
+on the request (the official client refuses the other shape for a version).
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid as uuidlib
+from typing import Any
+
+from scrubgate.policies import names
+
+from .kubelet import CANARY, LOOK_FOR, RUN_SECONDS
+
+GROUP = names.RESOURCE_GROUP
+VERSIONS = names.RESOURCE_VERSIONS  # v1, v1beta2, v1beta1, v1alpha3
+NESTED_VERSIONS = frozenset({"v1", "v1beta2"})
+GPU_CLASS = "gpu.nvidia.com"
+MIG_CLASS = "mig.nvidia.com"
+DRIVER = "gpu.nvidia.com"
+
+
+def uuid_selector(device_uuid: str) -> dict[str, Any]:
+    """A CEL selector for exactly one device (the next tenant asks for the GPU the last one used)."""
+    return {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{device_uuid}"'}}
+
+
+def device_request(
+    version: str,
+    *,
+    name: str = "gpu",
+    device_class: str = GPU_CLASS,
+    selectors: list[dict[str, Any]] | None = None,
+    tolerations: list[dict[str, Any]] | None = None,
+    admin_access: bool = False,
+) -> dict[str, Any]:
+    fields: dict[str, Any] = {"deviceClassName": device_class}
+    if selectors:
+        fields["selectors"] = selectors
+    if tolerations:
+        fields["tolerations"] = tolerations
+    if admin_access:
+        fields["adminAccess"] = True
+    if version in NESTED_VERSIONS:
+        return {"name": name, "exactly": fields}
+    if version in VERSIONS:
+        return {"name": name, **fields}
+    raise ValueError(f"unknown resource.k8s.io version {version!r}; known: {', '.join(VERSIONS)}")
+
+
+def claim_template(
+    name: str,
+    version: str = "v1",
+    *,
+    claim_annotations: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    **request: Any,
+) -> dict[str, Any]:
+    """A ResourceClaimTemplate with one request; ``claim_annotations`` go into ``spec.metadata`` (copied
+    into each generated claim), ``annotations`` onto the template itself."""
+    spec: dict[str, Any] = {"spec": {"devices": {"requests": [device_request(version, **request)]}}}
+    if claim_annotations:
+        spec["metadata"] = {"annotations": dict(claim_annotations)}
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {"apiVersion": f"{GROUP}/{version}", "kind": "ResourceClaimTemplate", "metadata": metadata, "spec": spec}
+
+
+def resource_claim(
+    name: str, version: str = "v1", *, annotations: dict[str, str] | None = None, **request: Any
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {
+        "apiVersion": f"{GROUP}/{version}",
+        "kind": "ResourceClaim",
+        "metadata": metadata,
+        "spec": {"devices": {"requests": [device_request(version, **request)]}},
+    }
+
+
+def workload_annotations(
+    canary: str | None = None, look_for: str | None = None, run_seconds: float | None = None
+) -> dict[str, str]:
+    """The simulated kubelet's workload knobs (see devcluster/kubelet.py)."""
+    out: dict[str, str] = {}
+    if canary is not None:
+        out[CANARY] = canary
+    if look_for is not None:
+        out[LOOK_FOR] = look_for
+    if run_seconds is not None:
+        out[RUN_SECONDS] = str(run_seconds)
+    return out
+
+
+def pod_spec(
+    *,
+    template: str | None = None,
+    claim: str | None = None,
+    grace: int | None = 60,
+    restart_policy: str = "Never",
+) -> dict[str, Any]:
+    """A one-container pod spec using one claim: from ``template`` (compliant) or the named ``claim``
+    (shared, SG002). ``grace=None`` leaves terminationGracePeriodSeconds out."""
+    if (template is None) == (claim is None):
+        raise ValueError("give exactly one of template= or claim=")
+    source = {"resourceClaimTemplateName": template} if template else {"resourceClaimName": claim}
+    spec: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        "containers": [
+            {"name": "cuda", "image": "nvcr.io/nvidia/cuda:12.6.0-base", "resources": {"claims": [{"name": "gpu"}]}}
+        ],
+        "resourceClaims": [{"name": "gpu", **source}],
+    }
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    return spec
+
+
+def pod(name: str, *, annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec(**spec)}
+
+
+def job(name: str, namespace: str, *, annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    """A batch/v1 Job whose pods take their GPU from a claim template (restartPolicy Never)."""
+    template: dict[str, Any] = {"metadata": {"labels": {"job-name": name}}, "spec": pod_spec(**spec)}
+    if annotations:
+        template["metadata"]["annotations"] = dict(annotations)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuidlib.uuid4())},
+        "spec": {"backoffLimit": 0, "template": template},
+    }
+
+
+def job_pod(job_obj: dict[str, Any]) -> dict[str, Any]:
+    """The pod the Job controller creates for ``job_obj``: its template, ``generateName <job>-`` and a
+    controller ownerReference to the Job. (The stand-in serves no Jobs; the caller plays the controller.)"""
+    meta = job_obj["metadata"]
+    template = copy.deepcopy(job_obj["spec"]["template"])
+    metadata = template.get("metadata") or {}
+    labels = {**(metadata.get("labels") or {}), "batch.kubernetes.io/controller-uid": meta["uid"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **metadata,
+            "generateName": f"{meta['name']}-",
+            "labels": labels,
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": template["spec"],
+    }
