@@ -70,6 +70,9 @@ def validate(
             found += _findings(policy, "SG005", rules.fence_toleration(obj, requests))
             if admission is None and kind_of(obj)[1] == "ResourceClaim":
                 found += _findings(policy, "SG004", rules.claim_finalizer(obj))
+        if (admission is None or admission.operation == "CREATE") and _enabled(policy, "SG007"):
+            user = (admission.username, admission.groups) if admission is not None else ("", ())
+            found += _findings(policy, "SG007", rules.preset_annotations(obj, *user, policy))
         if admission is not None and admission.operation == "UPDATE" and kind_of(obj)[1] == "ResourceClaim":
             old = admission.old_object
             if isinstance(old, dict) and _enabled(policy, "SG007"):

@@ -202,35 +202,74 @@ def admin_access(requests: list[DeviceRequest]) -> list[Violation]:
     ]
 
 
+def _annotation_writes(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    place: tuple[str, ...],
+    username: str,
+    is_agent: bool,
+    is_admin: bool,
+    policy: PolicyConfig,
+) -> list[Violation]:
+    """SG007's guard of the annotations only the agent (devices, scrub-status, attestation) or an admin
+    (break-glass) may write, for the annotations at `place` going from `old` to `new`."""
+    violations: list[Violation] = []
+    written = [k for k in AGENT_ANNOTATIONS if old.get(k) != new.get(k)]
+    if written and not is_agent:
+        violations.append(
+            (
+                f"user {username!r} wrote {', '.join(written)}: only the scrubgate node agent writes these "
+                f"annotations; remove the change",
+                pointer(*place, "annotations", written[0]),
+                (),
+            )
+        )
+    if old.get(names.ANNOTATION_BREAK_GLASS) != new.get(names.ANNOTATION_BREAK_GLASS) and not is_admin:
+        violations.append(
+            (
+                f"user {username!r} wrote {names.ANNOTATION_BREAK_GLASS}: only members of the policy's admin "
+                f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may",
+                pointer(*place, "annotations", names.ANNOTATION_BREAK_GLASS),
+                (),
+            )
+        )
+    return violations
+
+
+def _roles(username: str, groups: tuple[str, ...], policy: PolicyConfig) -> tuple[bool, bool]:
+    return username in policy.agent.identities, any(group in policy.admin_groups for group in groups)
+
+
+def preset_annotations(
+    obj: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+) -> list[Violation]:
+    """SG007 on a new claim or template (and in manifests): one that arrives already carrying the agent's
+    annotations or a break-glass reason would skip the guard that UPDATEs get. A template's
+    `spec.metadata.annotations` are copied into every claim generated from it."""
+    is_agent, is_admin = _roles(username, groups, policy)
+    places = [("metadata",)]
+    if as_str(obj.get("kind")) == "ResourceClaimTemplate":
+        places.append(("spec", "metadata"))
+    violations: list[Violation] = []
+    for place in places:
+        node: Any = obj
+        for key in place:
+            node = as_dict(node).get(key)
+        violations += _annotation_writes(
+            {}, as_dict(as_dict(node).get("annotations")), place, username, is_agent, is_admin, policy
+        )
+    return violations
+
+
 def finalizer_guard(
     obj: dict[str, Any], old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on an UPDATE of a ResourceClaim. Returns (violations, break-glass removals to audit)."""
-    is_agent = username in policy.agent.identities
-    is_admin = any(group in policy.admin_groups for group in groups)
+    is_agent, is_admin = _roles(username, groups, policy)
     old_annotations, new_annotations = annotations(old), annotations(obj)
-    violations: list[Violation] = []
-    changed = [k for k in AGENT_ANNOTATIONS if old_annotations.get(k) != new_annotations.get(k)]
-    if changed and not is_agent:
-        violations.append(
-            (
-                f"user {username!r} changed {', '.join(changed)}: only the scrubgate node agent writes these "
-                f"annotations; revert the change",
-                pointer("metadata", "annotations", changed[0]),
-                (),
-            )
-        )
-    if old_annotations.get(names.ANNOTATION_BREAK_GLASS) != new_annotations.get(names.ANNOTATION_BREAK_GLASS) and not (
-        is_admin
-    ):
-        violations.append(
-            (
-                f"user {username!r} changed {names.ANNOTATION_BREAK_GLASS}: only members of the policy's admin "
-                f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may",
-                pointer("metadata", "annotations", names.ANNOTATION_BREAK_GLASS),
-                (),
-            )
-        )
+    violations = _annotation_writes(
+        old_annotations, new_annotations, ("metadata",), username, is_agent, is_admin, policy
+    )
     old_finalizers = as_list(metadata(old).get("finalizers"))
     new_finalizers = as_list(metadata(obj).get("finalizers"))
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
