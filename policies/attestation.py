@@ -17,6 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .model import as_dict, as_list
 from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE
 
 PAYLOAD_VERSION = 1
@@ -130,16 +131,17 @@ def _device_key(device: Mapping[str, Any]) -> tuple[str, str, str]:
 
 def claimed_devices(claim: Mapping[str, Any]) -> set[tuple[str, str, str]]:
     """The (driver, pool, device) triples this claim holds or held: the allocation in its status, and the
-    agent's record in the `scrubgate.dev/devices` annotation (the allocation is gone after release)."""
+    agent's record in the `scrubgate.dev/devices` annotation (the allocation is gone after release).
+    A field of the wrong type reads as absent; a devices annotation that cannot be read is an error."""
     found: set[tuple[str, str, str]] = set()
-    status = claim.get("status") or {}
-    results = (((status.get("allocation") or {}).get("devices") or {}).get("results")) or []
-    for result in results if isinstance(results, list) else []:
+    allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
+    for result in as_list(as_dict(allocation.get("devices")).get("results")):
         if isinstance(result, dict):
             found.add(_device_key(result))
-    annotations = (claim.get("metadata") or {}).get("annotations") or {}
-    recorded = annotations.get(ANNOTATION_DEVICES)
+    recorded = as_dict(as_dict(claim.get("metadata")).get("annotations")).get(ANNOTATION_DEVICES)
     if recorded:
+        if not isinstance(recorded, str):
+            raise AttestationError(f"annotation {ANNOTATION_DEVICES} must be a JSON string")
         try:
             entries = json.loads(recorded)
         except json.JSONDecodeError as exc:
@@ -160,8 +162,8 @@ def check_claim_attestation(
     claim's own, see `claimed_devices`) verified clean. Returns the payload; raises AttestationError naming
     what does not hold."""
     payload = verify(token, public_keys)
-    metadata = claim.get("metadata") or {}
-    attested_claim = payload.get("claim") or {}
+    metadata = as_dict(claim.get("metadata"))
+    attested_claim = as_dict(payload.get("claim"))
     if not metadata.get("uid") or attested_claim.get("uid") != metadata.get("uid"):
         raise AttestationError(
             f"attestation is for claim UID {attested_claim.get('uid')!r}, not this claim's {metadata.get('uid')!r}"

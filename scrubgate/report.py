@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from xml.etree import ElementTree
 
@@ -205,6 +206,22 @@ def render_sarif(report: Report) -> str:
     return json.dumps(log, indent=2)
 
 
+# Characters XML 1.0 cannot carry even escaped; a manifest's names and values may hold them.
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_safe(element: ElementTree.Element) -> None:
+    """Writes characters that XML cannot carry as \\xNN, so the report stays well-formed."""
+
+    def clean(text: str) -> str:
+        return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+    for node in element.iter():
+        node.attrib = {k: clean(v) for k, v in node.attrib.items()}
+        if node.text:
+            node.text = clean(node.text)
+
+
 def render_junit(result: CheckResult, report: Report) -> str:
     """One testcase per checked object (failed by its deny findings), one errored testcase per input error."""
     suite = ElementTree.Element("testsuite", name="scrubgate check")
@@ -242,5 +259,6 @@ def render_junit(result: CheckResult, report: Report) -> str:
     suite.set("tests", str(len(result.objects) + len(report.errors)))
     suite.set("failures", str(failures))
     suite.set("errors", str(errors))
+    _xml_safe(suite)
     ElementTree.indent(suite)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ElementTree.tostring(suite, encoding="unicode")

@@ -1,0 +1,369 @@
+"""SG007 (finalizer guard) and SG008 (force delete) with hand-built admission inputs and real Ed25519 signatures."""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import UTC, datetime
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import build_payload, public_key_pem, sign
+from scrubgate.policies.config import parse_policy
+from scrubgate.policies.engine import Admission, validate
+
+AGENT = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
+ADMINS = ("system:authenticated", "system:masters")
+KID = "agent-2025"
+UID = "7d1b5c1e-0b2a-4c55-9a39-5d4f6b0f3a11"
+DEVICES = [
+    {"driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0", "uuid": "GPU-aaaa"},
+    {"driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-1", "uuid": "GPU-bbbb"},
+]
+
+
+@pytest.fixture(scope="module")
+def key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+@pytest.fixture(scope="module")
+def keyed_policy(key):
+    return parse_policy({"attestationKeys": [{"kid": KID, "publicKey": public_key_pem(key)}]})
+
+
+def allocated_claim(devices=DEVICES, annotate=True) -> dict:
+    """A v1 GPU claim as the agent finds it after the pod ended: finalizer on, devices recorded, allocation kept."""
+    annotations = {names.ANNOTATION_SCRUB_STATUS: names.SCRUB_SCRUBBING}
+    if annotate:
+        annotations[names.ANNOTATION_DEVICES] = json.dumps(devices)
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "namespace": "team-a",
+            "name": "train-gpu-x7k2p",
+            "uid": UID,
+            "finalizers": [names.DELETE_PROTECTION_FINALIZER, names.FINALIZER],
+            "annotations": annotations,
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": "gpu", "driver": d["driver"], "pool": d["pool"], "device": d["device"]}
+                        for d in devices
+                    ]
+                }
+            }
+        },
+    }
+
+
+def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID) -> str:
+    now = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+    payload = build_payload(
+        namespace="team-a",
+        name="train-gpu-x7k2p",
+        uid=uid,
+        node="node-a",
+        devices=[
+            {
+                **d,
+                "bytesScrubbed": 80 << 30,
+                "bytesTotal": 80 << 30,
+                "method": names.ATTESTATION_METHOD,
+                "verified": verified,
+            }
+            for d in devices
+        ],
+        started_at=now,
+        finished_at=now,
+        health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
+    )
+    return sign(payload, key, kid)
+
+
+def released(old: dict, token: str | None = None, **extra_annotations) -> dict:
+    """The agent's UPDATE: sanitize finalizer removed, attestation and `verified` written."""
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = [f for f in new["metadata"]["finalizers"] if f != names.FINALIZER]
+    annotations = new["metadata"]["annotations"]
+    annotations[names.ANNOTATION_SCRUB_STATUS] = names.SCRUB_VERIFIED
+    if token is not None:
+        annotations[names.ANNOTATION_ATTESTATION] = token
+    annotations.update(extra_annotations)
+    return new
+
+
+def update(new, old, policy, user=AGENT, groups=("system:serviceaccounts",)):
+    return validate(new, policy, trusted=False, admission=Admission("UPDATE", user, tuple(groups), old))
+
+
+def verdict(findings):
+    return sorted((f.rule, f.action) for f in findings)
+
+
+# --- SG007 -----------------------------------------------------------------------------------------------------
+
+
+def test_agent_with_a_valid_attestation_may_remove_the_finalizer(key, keyed_policy):
+    old = allocated_claim()
+    assert update(released(old, attestation(key)), old, keyed_policy) == []
+
+
+def test_agent_release_after_the_allocation_was_cleared_is_checked_against_the_devices_annotation(key, keyed_policy):
+    old = allocated_claim()
+    del old["status"]
+    assert update(released(old, attestation(key)), old, keyed_policy) == []
+    partial = attestation(key, devices=DEVICES[:1])
+    found = update(released(old, partial), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "gpu-1" in found[0].message
+
+
+def test_tenant_removing_the_finalizer_is_denied(key, keyed_policy):
+    old = allocated_claim()
+    found = update(released(old), old, keyed_policy, user="alice", groups=("team-a",))
+    assert ("SG007", "deny") in verdict(found)
+    assert any(names.FINALIZER in f.message and "alice" in f.message for f in found)
+
+
+def test_tenant_removing_the_finalizer_with_a_valid_attestation_is_still_denied(key, keyed_policy):
+    old = allocated_claim()
+    found = update(released(old, attestation(key)), old, keyed_policy, user="alice", groups=("team-a",))
+    assert {f.rule for f in found} == {"SG007"}
+    assert all(f.action == "deny" for f in found)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [
+        (names.ANNOTATION_ATTESTATION, "eyJ.eyJ.sig"),
+        (names.ANNOTATION_SCRUB_STATUS, names.SCRUB_VERIFIED),
+        (names.ANNOTATION_DEVICES, "[]"),
+        (names.ANNOTATION_DEVICES, None),
+    ],
+)
+def test_tenant_editing_an_agent_annotation_is_denied(keyed_policy, annotation, value):
+    old = allocated_claim()
+    new = copy.deepcopy(old)
+    if value is None:
+        del new["metadata"]["annotations"][annotation]
+    else:
+        new["metadata"]["annotations"][annotation] = value
+    found = update(new, old, keyed_policy, user="alice", groups=("team-a",))
+    assert verdict(found) == [("SG007", "deny")]
+    assert annotation in found[0].message
+    # The same edit by the agent is its job.
+    assert update(new, old, keyed_policy) == []
+
+
+def test_tenant_may_edit_other_annotations(keyed_policy):
+    old = allocated_claim()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"]["team-a.example.com/owner"] = "alice"
+    assert update(new, old, keyed_policy, user="alice") == []
+
+
+def test_replayed_attestation_of_another_claim_is_denied(key, keyed_policy):
+    old = allocated_claim()
+    found = update(released(old, attestation(key, uid="another-claim-uid")), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "another-claim-uid" in found[0].message
+
+
+def test_attestation_signed_with_another_key_is_denied(keyed_policy):
+    old = allocated_claim()
+    forged = attestation(Ed25519PrivateKey.generate())
+    assert verdict(update(released(old, forged), old, keyed_policy)) == [("SG007", "deny")]
+
+
+def test_attestation_with_an_unknown_key_id_is_denied(key, keyed_policy):
+    old = allocated_claim()
+    found = update(released(old, attestation(key, kid="other")), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+
+
+def test_no_configured_key_means_no_release(key, policy):
+    old = allocated_claim()
+    assert verdict(update(released(old, attestation(key)), old, policy)) == [("SG007", "deny")]
+
+
+def test_agent_without_an_attestation_is_denied(keyed_policy):
+    old = allocated_claim()
+    found = update(released(old), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert names.ANNOTATION_ATTESTATION in found[0].message
+
+
+def test_tampered_attestation_is_denied(key, keyed_policy):
+    old = allocated_claim()
+    header, _, signature = attestation(key).split(".")
+    _, other_payload, _ = attestation(key, uid="x").split(".")
+    spliced = f"{header}.{other_payload}.{signature}"
+    assert verdict(update(released(old, spliced), old, keyed_policy)) == [("SG007", "deny")]
+
+
+def test_attestation_missing_an_allocated_device_is_denied(key, keyed_policy):
+    # The annotation lists only gpu-0, but the allocation in the status holds gpu-1 too.
+    old = allocated_claim()
+    old["metadata"]["annotations"][names.ANNOTATION_DEVICES] = json.dumps(DEVICES[:1])
+    found = update(released(old, attestation(key, devices=DEVICES[:1])), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "gpu.nvidia.com/node-a/gpu-1" in found[0].message
+
+
+def test_attestation_missing_a_device_of_the_annotation_is_denied(key, keyed_policy):
+    old = allocated_claim(annotate=False)
+    old["status"]["allocation"]["devices"]["results"] = old["status"]["allocation"]["devices"]["results"][:1]
+    new = released(old, attestation(key, devices=DEVICES[:1]))
+    # A devices annotation written in the same update still counts (the agent cannot shrink what it must cover).
+    new["metadata"]["annotations"][names.ANNOTATION_DEVICES] = json.dumps(DEVICES)
+    assert verdict(update(new, old, keyed_policy)) == [("SG007", "deny")]
+
+
+def test_device_not_verified_clean_is_denied(key, keyed_policy):
+    old = allocated_claim()
+    found = update(released(old, attestation(key, verified=False)), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "not verified" in found[0].message
+
+
+def test_admin_break_glass_is_audited_not_denied(keyed_policy):
+    old = allocated_claim()
+    new = released(old, **{names.ANNOTATION_BREAK_GLASS: "node-a lost in zone outage INC-4711"})
+    new["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] = old["metadata"]["annotations"][
+        names.ANNOTATION_SCRUB_STATUS
+    ]
+    found = update(new, old, keyed_policy, user="oncall", groups=ADMINS)
+    assert verdict(found) == [("SG007", "audit")]
+    assert "INC-4711" in found[0].message and "oncall" in found[0].message
+
+
+def test_break_glass_is_audited_even_when_sg007_only_warns():
+    warn = parse_policy({"rules": {"SG007": {"action": "warn"}}})
+    old = allocated_claim()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "node gone"
+    new["metadata"]["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]
+    assert verdict(update(new, old, warn, user="oncall", groups=ADMINS)) == [("SG007", "audit")]
+    assert verdict(update(new, old, warn, user="alice", groups=("team-a",))) == [("SG007", "warn"), ("SG007", "warn")]
+
+
+def test_admin_removing_the_finalizer_without_a_reason_is_denied(keyed_policy):
+    old = allocated_claim()
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]
+    new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "   "
+    assert verdict(update(new, old, keyed_policy, user="oncall", groups=ADMINS)) == [("SG007", "deny")]
+
+
+def test_non_admin_setting_break_glass_is_denied(keyed_policy):
+    old = allocated_claim()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "please"
+    found = update(new, old, keyed_policy, user="alice", groups=("team-a",))
+    assert verdict(found) == [("SG007", "deny")]
+    assert names.ANNOTATION_BREAK_GLASS in found[0].message
+    # Setting it and removing the finalizer in one go is two violations.
+    new["metadata"]["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]
+    assert verdict(update(new, old, keyed_policy, user="alice", groups=("team-a",))) == [
+        ("SG007", "deny"),
+        ("SG007", "deny"),
+    ]
+
+
+def test_sg007_off_allows_everything(keyed_policy):
+    off = parse_policy({"rules": {"SG007": {"action": "off"}}})
+    old = allocated_claim()
+    assert update(released(old), old, off, user="alice") == []
+
+
+def test_finalizer_guard_only_for_resource_claims(keyed_policy):
+    old = allocated_claim()
+    old["apiVersion"] = "resource.k8s.io/v1alpha2"
+    assert update(released(old), old, keyed_policy, user="alice") == []
+
+
+# --- SG008 -----------------------------------------------------------------------------------------------------
+
+
+def running_pod(**status) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": "team-a", "name": "train", "uid": "pod-uid"},
+        "spec": {
+            "nodeName": "node-a",
+            "terminationGracePeriodSeconds": 60,
+            "containers": [{"name": "main", "image": "busybox"}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "single-gpu"}],
+        },
+        "status": {"phase": "Running", "containerStatuses": [{"name": "main", "state": {"running": {}}}], **status},
+    }
+
+
+def delete(pod, policy, grace, groups=("team-a",), user="alice"):
+    options = (
+        None
+        if grace is None
+        else {"apiVersion": "meta.k8s.io/v1", "kind": "DeleteOptions", "gracePeriodSeconds": grace}
+    )
+    return validate(None, policy, trusted=False, admission=Admission("DELETE", user, tuple(groups), pod, options))
+
+
+def test_force_delete_of_a_running_pod_with_claims_is_denied(policy):
+    found = delete(running_pod(), policy, 0)
+    assert verdict(found) == [("SG008", "deny")]
+    assert "grace period 0" in found[0].message
+
+
+def test_admins_may_force_delete(policy):
+    assert delete(running_pod(), policy, 0, groups=ADMINS, user="oncall") == []
+
+
+@pytest.mark.parametrize("grace", [30, 1, None])
+def test_delete_with_a_grace_period_is_allowed(policy, grace):
+    assert delete(running_pod(), policy, grace) == []
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_terminal_pod_may_be_deleted_with_grace_zero(policy, phase):
+    assert delete(running_pod(phase=phase), policy, 0) == []
+
+
+def test_kubelets_final_delete_after_containers_stopped_is_allowed(policy):
+    pod = running_pod(containerStatuses=[{"name": "main", "state": {"terminated": {"exitCode": 0}}}])
+    pod["metadata"]["deletionTimestamp"] = "2025-06-01T12:00:00Z"
+    assert delete(pod, policy, 0, groups=("system:nodes",), user="system:node:node-a") == []
+    # A container still running: not the kubelet's final delete, whatever the user claims.
+    pod["status"]["initContainerStatuses"] = [{"name": "init", "state": {"terminated": {}}}]
+    pod["status"]["containerStatuses"].append({"name": "side", "state": {"running": {}}})
+    assert verdict(delete(pod, policy, 0, groups=("system:nodes",), user="system:node:node-a")) == [("SG008", "deny")]
+
+
+def test_unscheduled_pod_may_be_force_deleted(policy):
+    pod = running_pod()
+    del pod["spec"]["nodeName"]
+    assert delete(pod, policy, 0) == []
+
+
+def test_pod_without_claims_may_be_force_deleted(policy):
+    pod = running_pod()
+    del pod["spec"]["resourceClaims"]
+    assert delete(pod, policy, 0) == []
+
+
+def test_force_delete_of_other_kinds_is_not_sg008(policy, dra):
+    assert delete(dra.carrier("Deployment", dra.pod_spec()), policy, 0) == []
+    assert delete(None, policy, 0) == []
+
+
+def test_sg008_action_from_policy(policy):
+    audit = parse_policy({"rules": {"SG008": {"action": "audit"}}})
+    assert verdict(delete(running_pod(), audit, 0)) == [("SG008", "audit")]
+    off = parse_policy({"rules": {"SG008": {"action": "off"}}})
+    assert delete(running_pod(), off, 0) == []

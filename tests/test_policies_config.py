@@ -1,0 +1,169 @@
+"""The policy file: the shipped default, and bad files refused with the field path and the reason."""
+
+from __future__ import annotations
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import public_key_pem
+from scrubgate.policies.config import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
+from scrubgate.policies.rules_meta import RULES
+
+
+def test_default_policy_loads_with_the_documented_values():
+    policy = load_policy()
+    assert policy == load_policy(DEFAULT_POLICY_PATH)
+    assert policy.gpu_device_classes == ("gpu.nvidia.com", "mig.nvidia.com", "*.nvidia.com")
+    assert (policy.grace_period.minimum_seconds, policy.grace_period.default_seconds) == (30, 60)
+    assert policy.grace_period.maximum_seconds == 3600
+    assert policy.tenancy.label == names.TENANCY_LABEL and policy.tenancy.trusted_value == names.TENANCY_TRUSTED
+    assert {rule: policy.action(rule) for rule in RULES} == {
+        "SG001": "deny",
+        "SG002": "deny",
+        "SG003": "deny",
+        "SG004": "warn",
+        "SG005": "deny",
+        "SG006": "deny",
+        "SG007": "deny",
+        "SG008": "deny",
+    }
+    assert policy.agent.identities == ("system:serviceaccount:scrubgate-system:scrubgate-agent",)
+    assert policy.admin_groups == ("system:masters",)
+    assert policy.attestation_keys == () and policy.public_keys == {}
+    assert policy.digest.startswith("sha256:") and len(policy.digest) == 7 + 64
+
+
+def test_rule_table_matches_the_design():
+    assert {rule.id: rule.name for rule in RULES.values()} == {
+        "SG001": "retain-deallocation",
+        "SG002": "shared-claim",
+        "SG003": "grace-period",
+        "SG004": "claim-finalizer",
+        "SG005": "fence-toleration",
+        "SG006": "admin-access",
+        "SG007": "finalizer-guard",
+        "SG008": "force-delete",
+    }
+    assert all(rule.summary and rule.help for rule in RULES.values())
+
+
+def test_empty_policy_is_the_built_in_default():
+    for data in (None, {}):
+        policy = parse_policy(data)
+        assert {rule: policy.action(rule) for rule in RULES} == {r.id: r.default_action for r in RULES.values()}
+
+
+def test_attestation_keys_are_loaded_by_key_id():
+    key = Ed25519PrivateKey.generate()
+    policy = parse_policy({"attestationKeys": [{"kid": "k1", "publicKey": public_key_pem(key)}]})
+    assert list(policy.public_keys) == ["k1"]
+    raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    assert policy.public_keys["k1"].public_bytes(*raw) == key.public_key().public_bytes(*raw)
+
+
+def test_policy_digest_changes_with_the_policy():
+    assert parse_policy({}).digest == parse_policy({}).digest
+    assert parse_policy({}).digest != parse_policy({"adminGroups": ["ops"]}).digest
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "reason"),
+    [
+        ({"gracePeriod": {"minimumSeconds": "soon"}}, "gracePeriod.minimumSeconds", "integer"),
+        ({"gracePeriod": {"minimumSeconds": -1}}, "gracePeriod.minimumSeconds", "greater than or equal to 0"),
+        ({"gpuDeviceClasses": "gpu.nvidia.com"}, "gpuDeviceClasses", "tuple"),
+        ({"adminGroups": [["system:masters"]]}, "adminGroups.0", "string"),
+        ({"gpuClasses": ["x"]}, "gpuClasses", "Extra inputs are not permitted"),
+        ({"tenancy": {"trustedNamespace": ["a"]}}, "tenancy.trustedNamespace", "Extra inputs are not permitted"),
+        ({"rules": {"SG999": {"action": "deny"}}}, "rules", "SG999"),
+        ({"rules": {"SG001": {"action": "block"}}}, "rules.SG001.action", "'deny', 'warn', 'audit' or 'off'"),
+        ({"rules": {"SG001": "deny"}}, "rules.SG001", "dictionary"),
+        (
+            {"gracePeriod": {"minimumSeconds": 90, "defaultSeconds": 60}},
+            "gracePeriod",
+            "minimumSeconds <= defaultSeconds",
+        ),
+        (
+            {"gracePeriod": {"defaultSeconds": 60, "maximumSeconds": 30}},
+            "gracePeriod",
+            "defaultSeconds <= maximumSeconds",
+        ),
+        ({"attestationKeys": [{"kid": "k", "publicKey": "not a pem"}]}, "attestationKeys.0.publicKey", ""),
+        ({"attestationKeys": [{"kid": "", "publicKey": "x"}]}, "attestationKeys.0.kid", "at least 1 character"),
+        ({"apiVersion": "scrubgate.dev/v2"}, "apiVersion", "scrubgate.dev/v1"),
+        ({"kind": "Policy"}, "kind", "PolicyConfig"),
+    ],
+)
+def test_bad_policy_is_refused_with_field_path_and_reason(data, path, reason):
+    with pytest.raises(PolicyError) as err:
+        parse_policy(data, "team.yaml")
+    message = str(err.value)
+    assert message.startswith("team.yaml: invalid policy: ")
+    assert f"{path}: " in message
+    assert reason in message
+
+
+def test_non_ed25519_key_is_refused():
+    ec_pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    with pytest.raises(PolicyError, match=r"attestationKeys\.0\.publicKey: .*not an Ed25519 key"):
+        parse_policy({"attestationKeys": [{"kid": "k", "publicKey": ec_pem}]})
+
+
+@pytest.mark.parametrize("data", [["a"], "deny", 3])
+def test_policy_that_is_not_a_mapping_is_refused(data):
+    with pytest.raises(PolicyError, match="must be a YAML mapping"):
+        parse_policy(data, "p.yaml")
+
+
+def test_invalid_yaml_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("apiVersion: scrubgate.dev/v1\nrules:\n  SG001: {action: deny\nadminGroups: []\n")
+    with pytest.raises(PolicyError) as err:
+        load_policy(path)
+    assert str(err.value).startswith(f"{path}:4: the policy is not valid YAML")
+
+
+def test_missing_policy_file_is_refused(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read the policy file"):
+        load_policy(tmp_path / "nope.yaml")
+
+
+def test_policy_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("gracePeriod:\n  minimumSeconds: 120\n")
+    with pytest.raises(PolicyError, match=rf"^{path}: invalid policy: gracePeriod: "):
+        load_policy(path)
+
+
+def test_unquoted_off_is_never_silently_another_action(tmp_path):
+    # YAML 1.1 reads an unquoted `off` as the boolean false: it must be refused or mean off, nothing else.
+    path = tmp_path / "policy.yaml"
+    path.write_text("rules:\n  SG003: {action: off}\n")
+    try:
+        policy = load_policy(path)
+    except PolicyError as err:
+        assert "rules.SG003.action" in str(err)
+    else:
+        assert policy.action("SG003") == "off"
+    path.write_text("rules:\n  SG003: {action: 'off'}\n")
+    assert load_policy(path).action("SG003") == "off"
+
+
+def test_trusted_namespaces_and_agent_identities_from_the_file(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "tenancy:\n  trustedNamespaces: [research]\n  label: example.com/tenancy\n"
+        "agent:\n  identities: [system:serviceaccount:gpu:agent]\nadminGroups: [gpu-oncall]\n"
+    )
+    policy = load_policy(path)
+    assert policy.tenancy.trusted_namespaces == ("research",)
+    assert policy.tenancy.label == "example.com/tenancy"
+    assert policy.agent.identities == ("system:serviceaccount:gpu:agent",)
+    assert policy.admin_groups == ("gpu-oncall",)
