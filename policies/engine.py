@@ -52,7 +52,9 @@ def validate(
     admission: Admission | None = None,
 ) -> list[Finding]:
     """Findings for `obj`. Without `admission` the object is a manifest (CI): an absent grace period and a
-    missing finalizer are reported, since nothing will default them."""
+    missing finalizer are reported, since nothing will default them. On UPDATE only what the update
+    introduces counts: a finding the old object had too (it predates scrubgate, or its namespace was
+    relabelled) would otherwise block every later write to it, the agent's attested release included."""
     if admission is not None and admission.operation == "DELETE":
         old = admission.old_object
         if not isinstance(old, dict) or kind_of(old) != ("v1", "Pod") or not _enabled(policy, "SG008"):
@@ -60,6 +62,27 @@ def validate(
         return _findings(policy, "SG008", rules.force_delete(old, admission.options, admission.groups, policy))
     if not isinstance(obj, dict) or not is_known(obj):
         return []
+    found = _object_findings(obj, policy, trusted, manifest=admission is None)
+    if admission is None or admission.operation == "CREATE":
+        if is_claim(obj) and _enabled(policy, "SG007"):
+            user = (admission.username, admission.groups) if admission is not None else ("", ())
+            found += _findings(policy, "SG007", rules.preset_annotations(obj, *user, policy))
+        return found
+    old = admission.old_object
+    if admission.operation != "UPDATE" or not isinstance(old, dict):
+        return found
+    existing = {(f.rule, f.path, f.message) for f in _object_findings(old, policy, trusted, manifest=False)}
+    found = [f for f in found if (f.rule, f.path, f.message) not in existing]
+    if kind_of(obj)[1] == "ResourceClaim" and _enabled(policy, "SG007"):
+        violations, break_glass = rules.finalizer_guard(obj, old, admission.username, admission.groups, policy)
+        found += _findings(policy, "SG007", violations)
+        # Break-glass is allowed, and always recorded, whatever the rule's action.
+        found += [Finding("SG007", "audit", message, path) for message, path, _ in break_glass]
+    return found
+
+
+def _object_findings(obj: dict[str, Any], policy: PolicyConfig, trusted: bool, manifest: bool) -> list[Finding]:
+    """SG001-SG006: what the object itself says, whoever writes it."""
     found: list[Finding] = []
     if is_claim(obj):
         requests = rules.gpu_requests(obj, policy)
@@ -68,18 +91,8 @@ def validate(
                 found += _findings(policy, "SG001", rules.retain_deallocation(obj))
                 found += _findings(policy, "SG006", rules.admin_access(requests))
             found += _findings(policy, "SG005", rules.fence_toleration(obj, requests))
-            if admission is None and kind_of(obj)[1] == "ResourceClaim":
+            if manifest and kind_of(obj)[1] == "ResourceClaim":
                 found += _findings(policy, "SG004", rules.claim_finalizer(obj))
-        if (admission is None or admission.operation == "CREATE") and _enabled(policy, "SG007"):
-            user = (admission.username, admission.groups) if admission is not None else ("", ())
-            found += _findings(policy, "SG007", rules.preset_annotations(obj, *user, policy))
-        if admission is not None and admission.operation == "UPDATE" and kind_of(obj)[1] == "ResourceClaim":
-            old = admission.old_object
-            if isinstance(old, dict) and _enabled(policy, "SG007"):
-                violations, break_glass = rules.finalizer_guard(obj, old, admission.username, admission.groups, policy)
-                found += _findings(policy, "SG007", violations)
-                # Break-glass is allowed, and always recorded, whatever the rule's action.
-                found += [Finding("SG007", "audit", message, path) for message, path, _ in break_glass]
         return found
     ref = pod_spec(obj)
     if ref is None:
@@ -87,7 +100,7 @@ def validate(
     is_pod = kind_of(obj)[1] == "Pod"
     if not (is_pod and trusted):
         found += _findings(policy, "SG002", rules.shared_claim(ref, is_pod))
-    found += _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=admission is None))
+    found += _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=manifest))
     found += _findings(policy, "SG005", rules.pod_fence_toleration(ref))
     return found
 
@@ -112,7 +125,9 @@ def shared_claims(
     objects: Iterable[tuple[Any, Mapping[str, Any], bool]], policy: PolicyConfig
 ) -> list[tuple[Any, Finding]]:
     """SG002 across the documents of one CI run: two pods in a trusted namespace naming the same claim.
-    (Workloads and multi-tenant pods that name a claim are already reported one by one.)
+    (Workloads and multi-tenant pods that name a claim are already reported one by one.) A pod without a
+    namespace is in `default`, where kubectl would create it; pods are told apart by key, not by name,
+    since `generateName` pods have none.
 
     `objects` are (key, object, trusted) triples; returns (key, finding) pairs."""
     if not _enabled(policy, "SG002"):
@@ -124,21 +139,20 @@ def shared_claims(
         ref = pod_spec(obj)
         if ref is None:
             continue
-        meta = metadata(obj)
+        namespace = as_str(metadata(obj).get("namespace")) or "default"
+        name = object_ref(obj)["name"] or "<unnamed>"
         for claim in pod_claims(ref):
             if claim.claim_name:
-                users.setdefault((as_str(meta.get("namespace")), claim.claim_name), []).append(
-                    (key, as_str(meta.get("name")) or "<unnamed>", pointer(*claim.claim_name_path))
-                )
+                users.setdefault((namespace, claim.claim_name), []).append((key, name, pointer(*claim.claim_name_path)))
     out = []
     for (namespace, claim_name), holders in users.items():
-        if len({name for _, name, _ in holders}) < 2:
+        if len({key for key, _, _ in holders}) < 2:
             continue
-        for key, name, path in holders:
-            others = ", ".join(sorted({other for _, other, _ in holders if other != name}))
+        for key, _, path in holders:
+            others = ", ".join(sorted({name for other, name, _ in holders if other != key}))
             message = (
-                f"ResourceClaim {claim_name!r} in namespace {namespace or '(default)'} is also named by pod(s) "
-                f"{others}: give each pod its own claim through resourceClaimTemplateName"
+                f"ResourceClaim {claim_name!r} in namespace {namespace} is also named by pod(s) {others}: give "
+                f"each pod its own claim through resourceClaimTemplateName"
             )
             out += [(key, f) for f in _findings(policy, "SG002", [(message, path, ())])]
     return out

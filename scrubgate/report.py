@@ -118,7 +118,7 @@ def render_text(report: Report, color: bool) -> str:
     for e in report.errors:
         where = f"{e.line}" if e.line else "-"
         by_file.setdefault(e.file, []).append(f"  {where:>5}  {paint('error', 'error'):<5}  {e.message}")
-    for f in report.findings:
+    for f in sorted(report.findings, key=lambda f: f.location.line):
         by_file.setdefault(f.location.file, []).append(
             f"  {f.location.line:>5}  {paint(f.action, f.action)}{' ' * (5 - len(f.action))}  "
             f"{f.rule.id} {f.rule.name}  {_describe(f.object)}: {f.message}"

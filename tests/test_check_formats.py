@@ -146,9 +146,9 @@ def test_text_is_grouped_by_file_without_colour_when_not_a_terminal(run_cli):
         ["16", "deny", "SG001"],
         ["29", "deny", "SG003"],
         ["51", "deny", "SG002"],
+        ["55", "warn", "SG004"],
         ["63", "deny", "SG006"],
         ["65", "deny", "SG005"],
-        ["55", "warn", "SG004"],
     ]
     assert "ResourceClaimTemplate team-a/keep-gpu: " in block[0]
     broken = lines[lines.index(str(DATA / "broken.yaml")) + 1]
