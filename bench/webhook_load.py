@@ -87,7 +87,26 @@ def serve(kind: str, workdir: Path, port_file: Path) -> None:
                 task.result()
                 raise SystemExit("server did not start")
             await asyncio.sleep(0.01)
-        port_file.write_text(str(server.servers[0].sockets[0].getsockname()[1]))
+        # The port, and the settings uvicorn really runs with, so that the report can show both servers
+        # run alike. Written whole, then renamed: the parent polls for the file.
+        config = server.config
+        started = {
+            "port": server.servers[0].sockets[0].getsockname()[1],
+            "uvicorn": {
+                "http": config.http_protocol_class.__name__,
+                "http implementation": next(
+                    c.__module__ for c in config.http_protocol_class.__mro__ if c.__module__.startswith("uvicorn.")
+                ),
+                "loop": type(asyncio.get_running_loop()).__name__,
+                "app wrapper": type(config.loaded_app).__name__,
+                "workers": config.workers,
+                "access_log": config.access_log,
+                "tls": config.ssl is not None,
+            },
+        }
+        partial = port_file.with_suffix(".partial")
+        partial.write_text(json.dumps(started))
+        partial.replace(port_file)
         await task
 
     try:
@@ -310,19 +329,20 @@ async def interleaved(
     return totals
 
 
-def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, int]:
+def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Starts one server process; returns it and what it reported: its port and its uvicorn settings."""
     port_file = workdir / f"{kind}.port"
     port_file.unlink(missing_ok=True)
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", kind, "--workdir", str(workdir), "--port-file", str(port_file)]
     )
     deadline = time.monotonic() + 60
-    while not port_file.exists() or not port_file.read_text():
+    while not port_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise SystemExit(f"the {kind} server did not start")
         time.sleep(0.05)
-    return process, int(port_file.read_text())
+    return process, json.loads(port_file.read_text())
 
 
 def stop_server(process: subprocess.Popen) -> None:
@@ -332,6 +352,15 @@ def stop_server(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def describe_uvicorn(settings: dict[str, Any]) -> str:
+    return (
+        f"uvicorn {settings['workers']} worker, {settings['http']} ({settings['http implementation']}) on "
+        f"{settings['loop']}, app wrapped in "
+        f"{settings['app wrapper']}, access log {'on' if settings['access_log'] else 'off'}, "
+        f"TLS {'on' if settings['tls'] else 'off'}"
+    )
 
 
 def machine() -> str:
@@ -382,10 +411,16 @@ def verdict(noop: Run, real: Run) -> str:
 
 
 def record(text: str) -> None:
+    """Adds `text` at the end of the "Webhook load" section; the other sections stay as they are."""
     existing = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if HEADING not in existing:
         existing = existing.rstrip("\n") + f"\n\n{HEADING}\n"
-    RESULTS.write_text(existing.rstrip("\n") + "\n\n" + text + "\n")
+    start = existing.index(HEADING)
+    end = existing.find("\n## ", start + len(HEADING))
+    end = len(existing) if end == -1 else end + 1
+    section = existing[start:end].rstrip("\n") + "\n\n" + text + "\n"
+    rest = existing[end:]
+    RESULTS.write_text(existing[:start] + section + ("\n" + rest if rest else ""))
 
 
 def main() -> int:
@@ -412,7 +447,10 @@ def main() -> int:
         files = write_tls_dir(workdir, ca, issue_serving_cert(ca, ["scrubgate-webhook.scrubgate-system.svc"]))
         servers = {kind: start_server(kind, workdir) for kind in ("noop", "scrubgate")}
         try:
-            ports = {kind: port for kind, (_, port) in servers.items()}
+            settings = {kind: started["uvicorn"] for kind, (_, started) in servers.items()}
+            if settings["noop"] != settings["scrubgate"]:
+                raise SystemExit(f"the two servers run with different uvicorn settings, no fair comparison: {settings}")
+            ports = {kind: started["port"] for kind, (_, started) in servers.items()}
             pids = {kind: process.pid for kind, (process, _) in servers.items()}
             runs = asyncio.run(interleaved(ports, pids, files.ca_cert, args))
         finally:
@@ -423,8 +461,9 @@ def main() -> int:
     report = "\n".join(
         [
             f"{time.strftime('%Y-%m-%d')}, {args.connections} connections, {len(real.latencies)} measured requests per "
-            f"server in {args.rounds} alternating rounds after {args.warmup} warm-up, one uvicorn worker (h11), "
-            "TLS 1.3, loopback, load generator in its own process.",
+            f"server in {args.rounds} alternating rounds after {args.warmup} warm-up, TLS 1.3, loopback, load "
+            "generator in its own process.",
+            f"Both servers: {describe_uvicorn(settings['noop'])}.",
             f"Machine: {machine()}. Command: `{command.strip()}`.",
             "",
             table(noop, real),

@@ -416,6 +416,21 @@ def test_an_oversized_body_is_refused_with_413(webhook):
         state.max_body_bytes = limit
 
 
+def test_a_body_sent_in_chunks_is_read_whole(webhook):
+    retained = review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}))
+    body = json.dumps(retained).encode()
+
+    def chunks():  # no Content-Length: chunked transfer, the body arrives in several ASGI messages
+        for start in range(0, len(body), 64):
+            yield body[start : start + 64]
+
+    response = webhook.http.post("/validate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    answer = response.json()["response"]
+    assert answer["uid"] == retained["request"]["uid"]
+    assert answer["allowed"] is False and "SG001" in answer["status"]["message"]
+
+
 # -- errors inside the policy and the audit log ----------------------------------------------------------
 
 

@@ -76,13 +76,13 @@ def audit_fields(request: AdmissionRequest, outcome: Outcome, policy: PolicyConf
         "uid": request.uid,
         "webhook": webhook,
         "operation": request.operation,
-        "apiVersion": request.kind.api_version,
-        "kind": request.kind.kind,
+        "apiVersion": request.api_version,
+        "kind": request.kind_name,
         "namespace": request.namespace,
         "name": request.name or meta.get("name") or "",
         "generateName": meta.get("generateName") or "",
-        "user": request.user_info.username,
-        "groups": list(request.user_info.groups),
+        "user": request.username,
+        "groups": list(request.groups),
         "decision": outcome.decision,
         "dryRun": request.dry_run,
         "findings": [finding.to_dict() for finding in outcome.findings],
@@ -117,11 +117,11 @@ class AdmissionEndpoint:
             if state.require_client_cert and not scope.get("state", {}).get(CLIENT_VERIFIED):
                 raise TransportError(403, "a client certificate signed by the configured client CA is required")
             headers = dict(scope["headers"])
-            check_content_type(_latin1(headers.get(b"content-type")))
-            body = await read_body(_latin1(headers.get(b"content-length")), receive, state.max_body_bytes)
+            check_content_type(headers.get(b"content-type"))
+            body = await read_body(headers.get(b"content-length"), receive, state.max_body_bytes)
             request = decode(body)
         except TransportError as err:
-            metrics.count(webhook, "", "", "invalid", time.perf_counter() - started)
+            metrics.admission.count(webhook, "", "", "invalid", time.perf_counter() - started)
             log.warning(
                 "refused a malformed admission request on %s: %s", webhook, err.message, extra={"status": err.status}
             )
@@ -146,10 +146,12 @@ class AdmissionEndpoint:
                 "error",
             )
         for finding in outcome.findings:
-            metrics.rule_hits.labels(finding.rule, finding.action).inc()
+            metrics.admission.hit(finding.rule, finding.action)
         if outcome.audited:
             outcome = await self._audit(request, outcome, policy)
-        metrics.count(webhook, request.operation, request.kind.kind, outcome.decision, time.perf_counter() - started)
+        metrics.admission.count(
+            webhook, request.operation, request.kind_name, outcome.decision, time.perf_counter() - started
+        )
         if outcome.decision in ("deny", "warn", "audit"):
             log.info(
                 "%s %s %s: %s",
@@ -157,7 +159,7 @@ class AdmissionEndpoint:
                 request.operation,
                 handlers.describe(request),
                 ", ".join(f"{f.rule}/{f.action}" for f in outcome.findings),
-                extra={"uid": request.uid, "user": request.user_info.username, "dry_run": request.dry_run},
+                extra={"uid": request.uid, "user": request.username, "dry_run": request.dry_run},
             )
         return 200, encode(outcome.response)
 
@@ -184,10 +186,6 @@ class AdmissionEndpoint:
             )
         self.state.metrics.audit_records.inc()
         return outcome
-
-
-def _latin1(value: bytes | None) -> str | None:
-    return value.decode("latin-1") if value is not None else None
 
 
 class WebhookApp(FastAPI):

@@ -5,11 +5,12 @@ Pure functions over the policy core; transport.py decodes, app.py wires, audits 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from scrubgate.policies.config import PolicyConfig
-from scrubgate.policies.engine import Admission, default, is_known, validate
+from scrubgate.policies.engine import Admission, default, validate
 from scrubgate.policies.findings import Finding
 
 from . import responses
@@ -18,11 +19,11 @@ from .review import AdmissionRequest, AdmissionResponse
 Decision = Literal["allow", "deny", "warn", "audit", "patch", "error"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Outcome:
     response: AdmissionResponse
     decision: Decision
-    findings: list[Finding] = field(default_factory=list)
+    findings: Sequence[Finding] = ()
 
     @property
     def audited(self) -> bool:
@@ -33,7 +34,7 @@ class Outcome:
 def describe(request: AdmissionRequest) -> str:
     """`Kind namespace/name` of the request's object, for messages and logs."""
     name = request.name or _generate_name(request) or "<unnamed>"
-    return f"{request.kind.kind} {request.namespace}/{name}" if request.namespace else f"{request.kind.kind} {name}"
+    return f"{request.kind_name} {request.namespace}/{name}" if request.namespace else f"{request.kind_name} {name}"
 
 
 def _generate_name(request: AdmissionRequest) -> str:
@@ -53,19 +54,19 @@ def _deny_message(request: AdmissionRequest, denials: list[Finding]) -> str:
 
 def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted: bool) -> Outcome:
     """SG001-SG008 on the request; `trusted` comes from the webhook path (the namespaceSelector split),
-    never from the request, so a namespace the webhook cannot place is multi-tenant."""
-    subject = request.old_object if request.operation == "DELETE" else request.object
-    if not is_known(subject):
-        return Outcome(responses.allowed(request.uid), "allow")
+    never from the request, so a namespace the webhook cannot place is multi-tenant. Kinds the policy
+    does not know get no findings from the engine, hence a plain allow."""
     admission = Admission(
         operation=request.operation,
-        username=request.user_info.username,
-        groups=request.user_info.groups,
+        username=request.username,
+        groups=request.groups,
         old_object=request.old_object,
         options=request.options,
         dry_run=request.dry_run,
     )
     findings = validate(request.object, policy, trusted=trusted, admission=admission)
+    if not findings:
+        return Outcome(responses.allowed(request.uid), "allow")
     denials = [finding for finding in findings if finding.action == "deny"]
     warnings = [f"[{_label(finding)}] {finding.message}" for finding in findings if finding.action == "warn"]
     if denials:
@@ -74,16 +75,13 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
         )
     if warnings:
         return Outcome(responses.allowed(request.uid, warnings), "warn", findings)
-    if findings:
-        return Outcome(responses.allowed(request.uid), "audit", findings)
-    return Outcome(responses.allowed(request.uid), "allow")
+    return Outcome(responses.allowed(request.uid), "audit", findings)
 
 
 def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
     """SG004 finalizer and SG003 default grace period on CREATE. The engine patches only what is absent,
-    so a reinvocation (reinvocationPolicy: IfNeeded) adds nothing twice."""
-    if request.operation != "CREATE" or not is_known(request.object):
-        return Outcome(responses.allowed(request.uid), "allow")
+    so a reinvocation (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default
+    in other operations and in kinds the policy does not know."""
     findings = default(request.object, policy, request.operation)
     ops = [op for finding in findings for op in finding.patch]
     unsafe = [op for op in ops if op.get("op") != "add"]

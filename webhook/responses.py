@@ -10,17 +10,16 @@ error can never become an allow, not even where an operator set `failurePolicy: 
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .review import AdmissionResponse, Status
+from .review import AdmissionResponse, Status, compact_json
 
 MAX_WARNING_CHARS = 120
 
 
 def _warnings(warnings: Iterable[str]) -> tuple[str, ...]:
-    return tuple(truncate(warning, MAX_WARNING_CHARS) for warning in warnings)
+    return tuple(truncate(warning, MAX_WARNING_CHARS) for warning in warnings) if warnings else ()
 
 
 def truncate(text: str, limit: int) -> str:
@@ -28,6 +27,8 @@ def truncate(text: str, limit: int) -> str:
 
 
 def allowed(uid: str, warnings: Iterable[str] = ()) -> AdmissionResponse:
+    if not warnings:  # the plain allow, most answers
+        return AdmissionResponse(uid, True)
     return AdmissionResponse(uid=uid, allowed=True, warnings=_warnings(warnings))
 
 
@@ -46,7 +47,7 @@ def patched(uid: str, ops: Iterable[Mapping[str, Any]], warnings: Iterable[str] 
     ops = list(ops)
     if not ops:
         return allowed(uid, warnings)
-    document = json.dumps(ops, separators=(",", ":")).encode()
+    document = compact_json(ops).encode()
     return AdmissionResponse(
         uid=uid,
         allowed=True,
