@@ -33,7 +33,9 @@ class Admission:
     dry_run: bool = False
 
 
-def _findings(policy: PolicyConfig, rule_id: str, violations: Iterable[Violation]) -> list[Finding]:
+def _findings(policy: PolicyConfig, rule_id: str, violations: list[Violation]) -> list[Finding]:
+    if not violations:
+        return []
     action = policy.action(rule_id)
     if action == "off":
         return []
