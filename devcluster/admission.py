@@ -20,11 +20,13 @@ import base64
 import http.client
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -128,6 +130,7 @@ class Admission:
         self.store = store
         self.surface = surface
         self.services = services
+        self._connections = _Connections()
 
     # ------------------------------------------------------------------ the two phases
 
@@ -318,20 +321,7 @@ class Admission:
         url = f"https://{target.host}:{target.port}{target.path}"
         body = json.dumps(review).encode()
         try:
-            conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=target.tls)
-            # Dial the mapped local address while TLS still verifies the service's DNS name.
-            conn._create_connection = target.dial  # type: ignore[attr-defined]
-            try:
-                conn.request(
-                    "POST",
-                    target.path,
-                    body=body,
-                    headers={"Content-Type": "application/json", "Accept": "application/json"},
-                )
-                resp = conn.getresponse()
-                payload = resp.read()
-            finally:
-                conn.close()
+            resp, payload = self._connections.post(target, body, timeout)
         except TimeoutError as e:
             raise WebhookCallError(f'failed to call webhook: Post "{url}": context deadline exceeded') from e
         except (OSError, http.client.HTTPException, ssl.SSLError) as e:
@@ -358,7 +348,7 @@ class Admission:
     def _target(self, client_config: dict, timeout: float) -> _Target:
         try:
             ca = base64.b64decode(client_config.get("caBundle") or "").decode()
-            tls = ssl.create_default_context(cadata=ca) if ca.strip() else ssl.create_default_context()
+            tls = self._connections.tls_context(ca)
         except (ValueError, ssl.SSLError) as e:
             raise WebhookCallError(f"invalid caBundle: {e}") from e
         if "url" in client_config:
@@ -382,16 +372,140 @@ class Admission:
             raise WebhookCallError("clientConfig has neither url nor service")
         sep = "&" if "?" in path else "?"
         path = f"{path}{sep}timeout={int(timeout)}s"
-        return _Target(host, port, path, tls, lambda _addr, t, src=None: socket.create_connection(address, t, src))
+        return _Target(host, port, path, tls, address, ca)
 
 
 @dataclass
 class _Target:
-    host: str
+    host: str  # what TLS verifies (the service's DNS name)
     port: int
     path: str
     tls: ssl.SSLContext
-    dial: Callable[..., socket.socket]
+    address: tuple[str, int]  # where to dial
+    ca: str
+
+    def dial(self, _address: object, timeout: float, source: object = None) -> socket.socket:
+        return socket.create_connection(self.address, timeout, source)  # type: ignore[arg-type]
+
+
+class _Connections:
+    """Kept-alive HTTPS connections to webhooks, as the API server keeps its connections to them open
+    (a TLS handshake per call costs more than the call). A connection is reused only while it is young
+    and was used a moment ago; idle ones are closed soon, and at once when the webhook closes its end (a
+    webhook shutting down waits for the peer's TLS close); a rotated serving certificate reaches new
+    handshakes within ``MAX_AGE_S``. A kept connection the webhook closed just as it was reused fails
+    before any answer; the request is then sent once more on a fresh one (Go's transport does the same
+    for a connection the server closed). TLS contexts are kept per caBundle."""
+
+    MAX_IDLE_S = 1.0
+    MAX_AGE_S = 10.0
+    REAP_S = 0.05
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list[tuple[http.client.HTTPSConnection, float, float]]] = {}
+        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._reaping = False
+
+    def tls_context(self, ca: str) -> ssl.SSLContext:
+        with self._lock:
+            context = self._contexts.get(ca)
+        if context is None:
+            context = ssl.create_default_context(cadata=ca) if ca.strip() else ssl.create_default_context()
+            with self._lock:
+                if len(self._contexts) > 16:
+                    self._contexts.clear()
+                self._contexts[ca] = context
+        return context
+
+    def post(self, target: _Target, body: bytes, timeout: float) -> tuple[http.client.HTTPResponse, bytes]:
+        key = (target.address, target.host, target.ca)
+        while True:
+            conn, born = self._take(key)
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=target.tls)
+                # Dial the mapped local address while TLS still verifies the service's DNS name.
+                conn._create_connection = target.dial  # type: ignore[attr-defined]
+                born = time.monotonic()
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            try:
+                conn.request(
+                    "POST",
+                    target.path,
+                    body=body,
+                    headers={"Content-Type": "application/json", "Accept": "application/json"},
+                )
+                resp = conn.getresponse()
+                payload = resp.read()
+            except (ConnectionError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                conn.close()
+                if reused:
+                    continue  # the webhook had closed it: once more on a fresh connection
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            if resp.will_close:
+                conn.close()
+            else:
+                self._keep(key, conn, born)
+            return resp, payload
+
+    def _usable(self, conn: http.client.HTTPSConnection, born: float, used: float, now: float) -> bool:
+        if now - used >= self.MAX_IDLE_S or now - born >= self.MAX_AGE_S or conn.sock is None:
+            return False
+        try:  # an idle connection has nothing to read: readable means the webhook closed it
+            return not select.select([conn.sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+
+    def _take(self, key: tuple) -> tuple[http.client.HTTPSConnection | None, float]:
+        now = time.monotonic()
+        stale = []
+        found: tuple[http.client.HTTPSConnection | None, float] = (None, now)
+        with self._lock:
+            idle = self._idle.get(key) or []
+            while idle:
+                conn, born, used = idle.pop()
+                if self._usable(conn, born, used, now):
+                    found = (conn, born)
+                    break
+                stale.append(conn)
+        for conn in stale:
+            conn.close()
+        return found
+
+    def _keep(self, key: tuple, conn: http.client.HTTPSConnection, born: float) -> None:
+        with self._lock:
+            self._idle.setdefault(key, []).append((conn, born, time.monotonic()))
+            if self._reaping:
+                return
+            self._reaping = True
+        threading.Thread(target=self._reap, name="devcluster-webhook-connections", daemon=True).start()
+
+    def _reap(self) -> None:
+        """Closes connections that went idle, until none is left open (then the thread ends)."""
+        while True:
+            time.sleep(self.REAP_S)
+            now = time.monotonic()
+            stale = []
+            with self._lock:
+                for key, idle in list(self._idle.items()):
+                    usable = [entry for entry in idle if self._usable(*entry, now)]
+                    stale += [entry[0] for entry in idle if entry not in usable]
+                    idle[:] = usable
+                    if not idle:
+                        del self._idle[key]
+                done = not self._idle
+                if done:
+                    self._reaping = False
+            for conn in stale:
+                conn.close()
+            if done:
+                return
 
 
 def _labels(obj: dict | None) -> dict:

@@ -41,6 +41,7 @@ class Device:
     node: str | None  # None: every node (allNodes)
     spec: dict
     taints: list[dict] = field(default_factory=list)
+    revision: str = ""  # its slice's resourceVersion: what selectors saw of it holds while this is unchanged
 
     @property
     def id(self) -> tuple[str, str, str]:
@@ -126,11 +127,34 @@ def taint_rule_applies(rule: dict, device: Device) -> bool:
 class Inventory:
     """Everything allocation needs, built from one consistent look at the store."""
 
-    def __init__(self, slices: list[dict], classes: list[dict], taint_rules: list[dict], claims: list[dict]) -> None:
+    def __init__(
+        self,
+        slices: list[dict],
+        classes: list[dict],
+        taint_rules: list[dict],
+        claims: list[dict],
+        selections: dict | None = None,
+    ) -> None:
+        """``selections``: where to remember which devices each set of CEL selectors selects, across
+        inventories (the scheduler tries every pending pod on every pass, over the same devices)."""
         self.classes = {c["metadata"]["name"]: c for c in classes}
         self.devices: list[Device] = []
         self.counters: dict[CounterKey, dict[str, int]] = {}
         newest: dict[tuple[str, str], int] = {}
+        # Rules naming one device (the agent's fences) are looked up by it; the others are tried on each device.
+        exact: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        general: list[dict] = []
+        for rule in taint_rules:
+            spec = rule.get("spec") or {}
+            if not spec.get("taint"):
+                continue
+            selector = spec.get("deviceSelector") or {}
+            if set(selector) == {"driver", "pool", "device"} and all(
+                isinstance(v, str) and v for v in selector.values()
+            ):
+                exact[(selector["driver"], selector["pool"], selector["device"])].append(spec["taint"])
+            else:
+                general.append(rule)
         for s in slices:
             spec = s.get("spec") or {}
             key = (spec.get("driver", ""), (spec.get("pool") or {}).get("name", ""))
@@ -145,15 +169,14 @@ class Inventory:
                     k: parse_quantity(v.get("value")) for k, v in (counter_set.get("counters") or {}).items()
                 }
             node = None if spec.get("allNodes") else spec.get("nodeName")
+            revision = str((s.get("metadata") or {}).get("resourceVersion", ""))
             for raw in spec.get("devices") or []:
-                device = Device(driver, pool, raw.get("name", ""), node, raw, list(raw.get("taints") or []))
-                device.taints += [
-                    dict(r["spec"]["taint"])
-                    for r in taint_rules
-                    if (r.get("spec") or {}).get("taint") and taint_rule_applies(r, device)
-                ]
+                device = Device(driver, pool, raw.get("name", ""), node, raw, list(raw.get("taints") or []), revision)
+                device.taints += [dict(t) for t in exact.get(device.id, [])]
+                device.taints += [dict(r["spec"]["taint"]) for r in general if taint_rule_applies(r, device)]
                 self.devices.append(device)
         self.in_use: set[tuple[str, str, str]] = set()
+        self._selections = {} if selections is None else selections
         self.consumed: dict[CounterKey, dict[str, int]] = {}
         by_id = {d.id: d for d in self.devices}
         for claim in claims:
@@ -195,11 +218,17 @@ class Inventory:
             self._restore(saved)
             raise
 
+    def _selected(self, expressions: list[str], device: Device) -> bool:
+        key = (tuple(expressions), device.id, device.revision)
+        if key not in self._selections:
+            self._selections[key] = _selected(expressions, device)
+        return self._selections[key]
+
     def _snapshot(self) -> tuple[set, dict]:
-        return set(self.in_use), copy.deepcopy(self.consumed)
+        return set(self.in_use), {key: dict(used) for key, used in self.consumed.items()}
 
     def _restore(self, saved: tuple[set, dict]) -> None:
-        self.in_use, self.consumed = set(saved[0]), copy.deepcopy(saved[1])
+        self.in_use, self.consumed = set(saved[0]), {key: dict(used) for key, used in saved[1].items()}
 
     def _allocate_claim(self, claim: dict, node: str) -> dict:
         devices_spec = (claim.get("spec") or {}).get("devices") or {}
@@ -250,7 +279,7 @@ class Inventory:
         admin = bool(request.get("adminAccess"))
         candidates: list[Device] = []
         for device in self.devices:
-            if device.node not in (None, node) or not _selected(selectors, device):
+            if device.node not in (None, node) or not self._selected(selectors, device):
                 continue
             if blocking_taints(device.taints, tolerations):
                 continue

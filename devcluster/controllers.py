@@ -49,6 +49,7 @@ class Scheduler(Worker):
     def __init__(self, api: Api, interval_s: float = 0.5) -> None:
         super().__init__(api, SCHEDULER, interval_s)
         self._reported: dict[str, str] = {}  # pod uid -> last Unschedulable message written
+        self._selections: dict = {}  # what CEL selectors select, kept across passes (see Inventory)
 
     def sync(self) -> None:
         pending = [p for p in _list(self.api, "", "pods") if _wants_scheduling(p)]
@@ -56,11 +57,14 @@ class Scheduler(Worker):
             return
         claims = _list(self.api, CLAIMS.group, CLAIMS.plural)
         nodes = [n for n in _list(self.api, "", "nodes") if _node_ready(n)]
+        if len(self._selections) > 100_000:
+            self._selections.clear()
         inventory = Inventory(
             _list(self.api, SLICES.group, SLICES.plural),
             _list(self.api, DEVICE_CLASSES.group, DEVICE_CLASSES.plural),
             _list(self.api, TAINT_RULES.group, TAINT_RULES.plural),
             claims,
+            self._selections,
         )
         by_name = {(c["metadata"]["namespace"], c["metadata"]["name"]): c for c in claims}
         for pod in sorted(pending, key=lambda p: p["metadata"].get("creationTimestamp", "")):
@@ -213,15 +217,19 @@ class ClaimController(Worker):
         super().__init__(api, CLAIM_CONTROLLER, interval_s)
 
     def sync(self) -> None:
-        pods = _list(self.api, "", "pods")
-        claims = _list(self.api, CLAIMS.group, CLAIMS.plural)
-        for pod in pods:
-            self._sync_pod(pod, claims)
+        generated: dict[tuple[str, str, str, str], dict] = {}  # (namespace, pod, pod uid, pod claim) -> claim
+        for claim in _list(self.api, CLAIMS.group, CLAIMS.plural):
+            owner = owning_pod(claim)
+            if owner is not None:
+                pod_claim = (claim["metadata"].get("annotations") or {}).get(POD_CLAIM_NAME_ANNOTATION, "")
+                generated.setdefault((claim["metadata"]["namespace"], *owner, pod_claim), claim)
+        for pod in _list(self.api, "", "pods"):
+            self._sync_pod(pod, generated)
         pods_by_name = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in _list(self.api, "", "pods")}
         for claim in _list(self.api, CLAIMS.group, CLAIMS.plural):
             self._sync_claim(claim, pods_by_name)
 
-    def _sync_pod(self, pod: dict, claims: list[dict]) -> None:
+    def _sync_pod(self, pod: dict, generated: dict[tuple[str, str, str, str], dict]) -> None:
         meta = pod["metadata"]
         if pod_done(pod) or meta.get("deletionTimestamp"):
             return
@@ -234,16 +242,7 @@ class ClaimController(Worker):
             template_name = pod_claim.get("resourceClaimTemplateName")
             if not template_name:
                 continue
-            existing = next(
-                (
-                    c
-                    for c in claims
-                    if c["metadata"]["namespace"] == meta["namespace"]
-                    and owning_pod(c) == (meta["name"], meta["uid"])
-                    and (c["metadata"].get("annotations") or {}).get(POD_CLAIM_NAME_ANNOTATION) == pod_claim.get("name")
-                ),
-                None,
-            )
+            existing = generated.get((meta["namespace"], meta["name"], meta["uid"], pod_claim.get("name", "")))
             if existing is None:
                 existing = self._generate(pod, pod_claim, template_name)
             if existing is not None:

@@ -110,6 +110,7 @@ class Driver(Worker):
     """Publishes the node's slice (and the device classes) and keeps it current; prepares claims."""
 
     name = "dra-driver"
+    wakes_on_change = False  # what it publishes comes from the GPUs: a look every interval_s
 
     def __init__(self, api: Api, node: str, backend: GpuBackend, interval_s: float = 2.0) -> None:
         super().__init__(api, DRIVER_USER, interval_s)

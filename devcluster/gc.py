@@ -24,6 +24,7 @@ from .worker import Worker
 
 class GarbageCollector(Worker):
     name = "garbage-collector"
+    min_period_s = 0.2  # it scans every object
 
     def __init__(self, api: Api, interval_s: float = 0.5) -> None:
         super().__init__(api, GARBAGE_COLLECTOR, interval_s)

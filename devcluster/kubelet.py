@@ -6,8 +6,8 @@ simulated GPUs their claims were allocated.
 - Annotations drive the workload: ``devcluster.scrubgate.dev/canary: <text>`` writes the text
   into device memory at offset 0 (a tenant's data); ``devcluster.scrubgate.dev/look-for: <text>``
   reports, as pod condition ``devcluster.scrubgate.dev/CanaryFound``, whether the text is anywhere
-  in the memory the pod got; ``devcluster.scrubgate.dev/run-seconds: <n>`` makes it finish
-  (phase Succeeded) after n seconds.
+  in the memory the pod got (looked at before its own canary is written);
+  ``devcluster.scrubgate.dev/run-seconds: <n>`` makes it finish (phase Succeeded) after n seconds.
 - Deletion: containers stop (SIGKILL, immediately -- within any grace period), processes detach,
   the driver unprepares, the pod is reported terminal, then deleted with grace 0 and a UID
   precondition as ``system:node:<node>`` -- the real kubelet's order. A pod that disappears from
@@ -57,6 +57,10 @@ class _Running:
     started: float = field(default_factory=time.monotonic)
     process: subprocess.Popen | None = None
     conditions: list[dict] = field(default_factory=list)  # what the workload reported at start
+
+    def alive(self) -> bool:
+        # Our own child: a wait (no /proc read on every pass); an adopted one: look it up.
+        return self.process.poll() is None if self.process is not None else _alive(self.pid)
 
 
 def _alive(pid: int) -> bool:
@@ -133,7 +137,7 @@ class Kubelet(Worker):
         if run_seconds and time.monotonic() - running.started >= run_seconds:
             self._stop_container(uid)
             self._report_terminal(pod, "Succeeded", 0)
-        elif not _alive(running.pid):
+        elif not running.alive():
             self._stop_container(uid)
             self._report_terminal(pod, "Failed", 137)
 
@@ -175,9 +179,7 @@ class Kubelet(Worker):
         for uuid in devices:
             simulated.attach(self.gpu_root, uuid, process.pid)
         annotations = pod["metadata"].get("annotations") or {}
-        if annotations.get(CANARY):
-            for uuid in devices:
-                simulated.write(self.gpu_root, uuid, 0, annotations[CANARY].encode())
+        # Look first: what the pod got is the memory as the previous tenant left it, before its own canary.
         if annotations.get(LOOK_FOR):
             needle = annotations[LOOK_FOR].encode()
             found = [u for u in devices if needle in simulated.read(self.gpu_root, u)]
@@ -189,6 +191,9 @@ class Kubelet(Worker):
                     "lastTransitionTime": now_rfc3339(),
                 }
             )
+        if annotations.get(CANARY):
+            for uuid in devices:
+                simulated.write(self.gpu_root, uuid, 0, annotations[CANARY].encode())
         log.info(
             "node %s: started pod %s/%s on %s",
             self.node,

@@ -25,12 +25,14 @@ log = logging.getLogger("devcluster.observer")
 
 @dataclass(frozen=True)
 class Observed:
-    """One change the observer saw: ``rv`` orders all of them (the stand-in has one counter)."""
+    """One change the observer saw: ``rv`` orders all of them (the stand-in has one counter); ``at`` is when
+    it arrived (``time.monotonic()``), for latencies between changes (the watch delay cancels out)."""
 
     rv: int
     resource: str  # resourceclaims, devicetaintrules
     type: str  # ADDED, MODIFIED, DELETED, SYNC (from a list after a gap)
     obj: dict[str, Any]
+    at: float = 0.0
 
 
 def first_rv(events: Iterable[Observed], predicate: Callable[[Observed], bool]) -> int | None:
@@ -180,7 +182,7 @@ class Observer:
 
     def _record(self, resource: str, kind: str, obj: dict[str, Any], rv: int) -> None:
         with self._lock:
-            self._events.append(Observed(rv, resource, kind, obj))
+            self._events.append(Observed(rv, resource, kind, obj, time.monotonic()))
 
     def _run(self, resource: str) -> None:
         version: str | None = None

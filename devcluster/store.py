@@ -62,6 +62,7 @@ class Store:
     def __init__(self, journal: Path | None = None, history_limit: int = 50_000) -> None:
         self._cond = threading.Condition()
         self._objects: dict[Key, dict] = {}
+        self._by_resource: dict[tuple[str, str], dict[Key, dict]] = {}  # (group, plural) -> its objects
         self._rv = 0
         self._history: list[Event] = []
         self._history_limit = history_limit
@@ -90,12 +91,9 @@ class Store:
         """The objects of one resource (in one namespace when given), sorted by key, and the
         resourceVersion they are current at. Shared with the store: read them, deep-copy to change."""
         with self._cond:
-            keys = sorted(
-                k
-                for k in self._objects
-                if k[0] == group and k[1] == plural and (namespace is None or k[2] == namespace)
-            )
-            return [self._objects[k] for k in keys], self._rv
+            objects = self._by_resource.get((group, plural), {})
+            keys = sorted(k for k in objects if namespace is None or k[2] == namespace)
+            return [objects[k] for k in keys], self._rv
 
     def namespaced_keys(self, namespace: str) -> list[Key]:
         with self._cond:
@@ -134,8 +132,10 @@ class Store:
         stored.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
         if kind == "DELETED":
             del self._objects[key]
+            del self._by_resource[key[:2]][key]
         else:
             self._objects[key] = stored
+            self._by_resource.setdefault(key[:2], {})[key] = stored
         self._history.append(Event(self._rv, kind, key, stored, old))
         if len(self._history) > self._history_limit:
             dropped = self._history[: self._history_limit // 2]
@@ -211,6 +211,8 @@ class Store:
                     else:
                         self._objects[key] = record["obj"]  # type: ignore[index]
         self._resumable_from = self._rv
+        for key, obj in self._objects.items():
+            self._by_resource.setdefault(key[:2], {})[key] = obj
         self._compact()
 
     def _compact(self) -> None:

@@ -1,6 +1,7 @@
 """The loop every simulated controller runs: wake on any change in the store (or every
 ``interval_s``), look at everything, act, repeat. Level-triggered like a real controller's resync,
-without informers: the store is in the same process."""
+without informers: the store is in the same process. A worker whose input is not in the store only
+looks every ``interval_s``; one that scans every object may take a pause between passes."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ log = logging.getLogger("devcluster.worker")
 
 class Worker:
     name = "worker"
+    # False: sync every ``interval_s`` only, for a worker whose input is not in the store (the driver
+    # watches the GPUs), so that it does not redo its work on every write to the store.
+    wakes_on_change = True
+    # At least this long between passes: changes meanwhile are taken together (for a worker that looks at
+    # every object, where a short delay is as faithful as an informer's and much cheaper under load).
+    min_period_s = 0.0
 
     def __init__(self, api: Api, user: UserInfo, interval_s: float = 0.5) -> None:
         self.api = api
@@ -42,8 +49,15 @@ class Worker:
 
     def _run(self) -> None:
         seen = 0
+        first = True
         while not self._stopping.is_set() and not self.api.store.closed:
-            current = self.api.store.wait_for_change(seen, self.interval_s)
+            if self.wakes_on_change:
+                current = self.api.store.wait_for_change(seen, self.interval_s)
+            else:
+                current = 0
+                if not first and self._stopping.wait(self.interval_s):
+                    return
+            first = False
             if self._stopping.is_set():
                 return
             try:
@@ -51,6 +65,8 @@ class Worker:
             except Exception:  # a controller bug must not kill the loop; it is logged with its trace
                 log.exception("devcluster %s: sync failed", self.name)
             seen = current
+            if self.min_period_s and self._stopping.wait(self.min_period_s):
+                return
 
     def sync(self) -> None:
         raise NotImplementedError

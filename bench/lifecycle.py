@@ -1,0 +1,87 @@
+"""The whole lifecycle under load, end to end: claims/s and release-to-clean latency.
+
+Each run starts a fresh local installation (devcluster.harness: the API stand-in with its scheduler,
+resourceclaim controller, kubelet and NVIDIA-like driver over simulated GPUs; the real webhook and the real
+agent as separate processes) and puts devcluster.load's workload through it: Job pods, each with a claim
+from a ResourceClaimTemplate (MIG slices, every 8th a whole GPU), each looking for earlier tenants' canaries,
+writing its own and ending after a few seconds; at most --parallelism pods at once.
+
+    .venv/bin/python bench/lifecycle.py [--claims 200] [--gpus 8] [--mig 7] [--parallelism 24 48]
+                                        [--run-seconds 4] [--timeout 300] [--workdir DIR]
+
+Prints a Markdown table, one column per --parallelism value. Release is the claim's reservedFor emptied;
+fences lifted is the last of its DeviceTaintRules deleted (its devices allocatable again); finalizer
+removed is the claim object released. Times come from the observer's watch of claims and fences.
+The invariant is part of the result: the script exits 1 when any run did not end clean (a violation,
+a canary found, a claim not torn down), and lists why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{cpu}, {len(os.sched_getaffinity(0))} CPUs visible, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}; load average before the run {load}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claims", type=int, default=200)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--mig", type=int, default=7, help="MIG slices per GPU")
+    parser.add_argument("--parallelism", type=int, nargs="+", default=[24, 48], help="pods at once (one run each)")
+    parser.add_argument("--run-seconds", type=float, default=4.0, help="mean pod run time (spread +-25%%)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="bounded wait per run, seconds")
+    parser.add_argument("--workdir", type=Path, help="where the installations live (default: a temporary dir)")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(REPO_ROOT))  # devcluster is a harness at the repo root, not an installed package
+    from devcluster.harness import Cluster
+    from devcluster.load import LoadSpec, markdown_table, run_load
+
+    print(f"{time.strftime('%Y-%m-%d')}; {machine()}")
+    print(f"command: python bench/lifecycle.py {' '.join(sys.argv[1:])}".rstrip())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sg-lifecycle-bench-", dir=args.workdir) as base:
+        for i, parallelism in enumerate(args.parallelism):
+            spec = LoadSpec(
+                claims=args.claims, parallelism=parallelism, run_seconds=args.run_seconds, timeout_s=args.timeout
+            )
+            with Cluster(Path(base) / f"run-{i + 1}", gpus=args.gpus, mig_per_gpu=args.mig) as cluster:
+                print(f"run {i + 1}: {spec}", file=sys.stderr, flush=True)
+                results.append(run_load(cluster, spec, lambda line: print(f"  {line}", file=sys.stderr, flush=True)))
+    print()
+    print(markdown_table(results))
+    failed = False
+    for i, result in enumerate(results):
+        problems = result.problems()
+        if problems:
+            failed = True
+            print(f"\nrun {i + 1} did not end clean ({len(problems)} problems):")
+            print("\n".join(f"- {p}" for p in problems[:20]))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

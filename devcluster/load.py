@@ -1,0 +1,440 @@
+"""A lifecycle load on the whole installation (devcluster.harness.Cluster): many tenants' Job pods, each
+with its own claim from a ResourceClaimTemplate (MIG slices, every few a whole GPU), each looking for the
+canaries earlier tenants left, writing its own, then ending. Every claim goes allocated -> fenced ->
+released -> drained -> scrubbed -> attested -> unfenced -> finalizer removed; the observer's record of
+it gives the latencies and the invariant. Shared by ``bench/lifecycle.py`` (the figures) and
+``tests/test_e2e_load.py`` (the invariant under load). Part of the test and demo harness.
+
+Pods are submitted as a Job with ``parallelism`` would: at most that many unfinished at once, the next
+one as soon as one ends; a finished pod is deleted, as the TTL-after-finished controller does for a Job
+with ``ttlSecondsAfterFinished: 0``. Release is the claim's ``reservedFor`` emptied (the resourceclaim
+controller, once the pod is done, which also clears the allocation); clean is the last of the claim's
+fences deleted (its devices allocatable again) and the finalizer removed (the claim object released).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from kubernetes.client.exceptions import ApiException
+from scrubgate.policies import names
+from scrubgate.policies.attestation import AttestationError, check_claim_attestation, claimed_devices
+
+from . import workloads
+from .harness import Cluster
+from .kubelet import CANARY_FOUND
+from .observer import Observed
+
+RUN_LABEL = "devcluster.scrubgate.dev/load-run"
+CANARY_PREFIX = "SCRUBGATE-LOAD-CANARY-"
+TEMPLATES = {"mig": workloads.MIG_CLASS, "gpu": workloads.GPU_CLASS}  # what a pod asks for -> device class
+CLAIM_UID_LABEL = "scrubgate.dev/claim-uid"  # the agent labels each fence with its claim's UID
+POLL_S = 0.1
+OBSERVER_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    claims: int = 200
+    gpu_every: int = 8  # every n-th pod asks for a whole GPU, the others for a MIG slice (0: MIG slices only)
+    namespaces: int = 4  # tenants' namespaces, taken by the cluster's tenants in turn
+    parallelism: int = 48  # pods submitted and not yet finished at any time
+    run_seconds: float = 4.0  # how long a pod runs once started, on average
+    run_spread: float = 0.5  # pods run between (1 - spread/2) and (1 + spread/2) x run_seconds, spread evenly
+    timeout_s: float = 300.0  # a bounded wait for the whole run; what is not done by then is reported
+
+    def wants(self, index: int) -> str:
+        return "gpu" if self.gpu_every and index % self.gpu_every == self.gpu_every - 1 else "mig"
+
+    def run_time(self, index: int) -> float:
+        """Pod ``index``'s run time: spread (deterministically) so that pods do not all end together."""
+        step = (index * 7 % 10) / 9  # 0..1, neighbours far apart
+        return round(self.run_seconds * (1 + self.run_spread * (step - 0.5)), 2)
+
+
+@dataclass
+class ClaimOutcome:
+    """One pod's claim, as the observer saw it (times are ``time.monotonic()``)."""
+
+    namespace: str
+    pod: str
+    wants: str  # mig, gpu
+    name: str = ""
+    uid: str = ""
+    devices: tuple[str, ...] = ()
+    finished: bool = False  # the pod reached Succeeded or Failed
+    canary_found: bool | None = None  # the kubelet's verdict for the pod; None: not reported
+    allocated_at: float | None = None
+    fenced_at: float | None = None  # the first of its fences created
+    released_at: float | None = None
+    unfenced_at: float | None = None  # the last of its fences deleted
+    finalizer_removed_at: float | None = None
+    attested: bool = False  # an attestation that verifies for this claim and all of its devices
+
+    def problems(self) -> list[str]:
+        """What went wrong for this claim, as one line (none when it ended clean)."""
+        where = f"pod {self.namespace}/{self.pod} claim {self.name or '?'} (uid {self.uid or '?'})"
+        checks = {
+            "the pod did not finish": self.finished,
+            "no claim was seen": bool(self.uid),
+            "the kubelet never reported whether it found a canary": self.canary_found is not None,
+            "found an earlier tenant's canary in its device memory": not self.canary_found,
+            "never fenced": self.fenced_at is not None,
+            "never released (reservedFor never emptied)": self.released_at is not None,
+            "no attestation verified for it": self.attested,
+            "its fences were not all lifted": self.unfenced_at is not None,
+            f"finalizer {names.FINALIZER} never removed": self.finalizer_removed_at is not None,
+        }
+        failed = [problem for problem, ok in checks.items() if not ok]
+        return [f"{where}: {'; '.join(failed)}"] if failed else []
+
+
+@dataclass
+class LoadResult:
+    spec: LoadSpec
+    gpus: int  # whole GPUs on the node
+    mig_per_gpu: int  # MIG slices of each
+    wall_s: float  # first pod submitted to last finalizer removed (or to the deadline)
+    claims: list[ClaimOutcome]
+    reallocations: int  # allocations of a device that an earlier claim of the run had held
+    violations: list[str]  # the observer's invariant check
+    leftover_fences: list[str]  # fences of this run's claims still standing at the end
+    agent_overhead: tuple[float, int] = (0.0, 0)  # the agent's teardown-overhead histogram: sum, count
+    notes: list[str] = field(default_factory=list)  # what kept the run from completing in time
+
+    @property
+    def devices(self) -> int:
+        """What the driver publishes: each GPU and each of its MIG slices."""
+        return self.gpus * (1 + self.mig_per_gpu)
+
+    @property
+    def claims_per_s(self) -> float:
+        return len(self.claims) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def latencies(self, start: str, end: str) -> list[float]:
+        """Seconds from ``start`` to ``end`` (ClaimOutcome time fields) for every claim that has both, sorted."""
+        out = []
+        for claim in self.claims:
+            begun, done = getattr(claim, start), getattr(claim, end)
+            if begun is not None and done is not None:
+                out.append(done - begun)
+        return sorted(out)
+
+    def problems(self) -> list[str]:
+        """Everything that says the run did not end clean; empty when it did."""
+        found = list(self.notes)
+        if len(self.claims) != self.spec.claims:
+            found.append(f"{len(self.claims)} claims accounted for, {self.spec.claims} submitted")
+        found += [p for c in self.claims for p in c.problems()]
+        found += [f"invariant: {v}" for v in self.violations]
+        found += [f"fence still standing: {f}" for f in self.leftover_fences]
+        return found
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(metric, value) for the table."""
+        fenced = self.latencies("allocated_at", "fenced_at")
+        unfenced = self.latencies("released_at", "unfenced_at")
+        removed = self.latencies("released_at", "finalizer_removed_at")
+        overhead_sum, overhead_count = self.agent_overhead
+        wants = Counter(c.wants for c in self.claims)
+        runs = [self.spec.run_time(i) for i in range(self.spec.claims)]
+        return [
+            ("claims", f"{len(self.claims)} ({wants['mig']} MIG slice, {wants['gpu']} whole GPU)"),
+            ("devices", f"{self.devices} ({self.gpus} GPUs, each also as {self.mig_per_gpu} MIG slices)"),
+            ("pods at once x run time", f"{self.spec.parallelism} x {min(runs):g}-{max(runs):g} s"),
+            ("wall time", f"{self.wall_s:.1f} s"),
+            ("claims/s", f"{self.claims_per_s:.2f}"),
+            ("allocated -> fenced p50 / p99 / max", _ms(fenced, 0.5, 0.99, 1.0)),
+            ("release -> fences lifted p50 / p99", _ms(unfenced, 0.5, 0.99)),
+            ("release -> finalizer removed p50 / p99", _ms(removed, 0.5, 0.99)),
+            (
+                "agent's own teardown time (mean of its histogram)",
+                f"{1000 * overhead_sum / overhead_count:.0f} ms over {overhead_count}" if overhead_count else "n/a",
+            ),
+            ("devices reused by a later claim", str(self.reallocations)),
+            ("invariant violations (observer)", str(len(self.violations))),
+            ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
+            ("claims not ended clean", str(sum(bool(c.problems()) for c in self.claims))),
+        ]
+
+    def table(self) -> str:
+        return markdown_table([self])
+
+
+def markdown_table(results: list[LoadResult]) -> str:
+    """One column per run."""
+    columns = [r.rows() for r in results]
+    header = ["metric", *(f"run {i + 1}" if len(results) > 1 else "value" for i in range(len(results)))]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(results)]
+    for i, (metric, _) in enumerate(columns[0]):
+        lines.append("| " + " | ".join([metric, *(column[i][1] for column in columns)]) + " |")
+    return "\n".join(lines)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (NaN when empty)."""
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def _ms(values: list[float], *quantiles: float) -> str:
+    return " / ".join(f"{1000 * percentile(values, q):.0f}" for q in quantiles) + " ms"
+
+
+# ---------------------------------------------------------------------- running it
+
+
+class LoadRun:
+    """One run of ``spec`` on ``cluster``: ``run()`` submits, waits (bounded), and returns the result."""
+
+    def __init__(self, cluster: Cluster, spec: LoadSpec, progress: Callable[[str], None] | None = None) -> None:
+        if spec.claims < 1 or spec.parallelism < 1 or spec.namespaces < 1:
+            raise ValueError(f"a load needs at least one claim, namespace and pod at a time: {spec}")
+        self.cluster = cluster
+        self.spec = spec
+        self.progress = progress or (lambda _: None)
+        self.run_id = secrets.token_hex(3)
+        tenants = [u for u in cluster.users if u not in ("admin", "agent")]
+        if not tenants:
+            raise ValueError("the cluster has no tenants to run the load as")
+        self.namespaces = [(f"load-{self.run_id}-{i}", tenants[i % len(tenants)]) for i in range(spec.namespaces)]
+        self.outcomes: dict[tuple[str, str], ClaimOutcome] = {}  # by (namespace, pod)
+        self.notes: list[str] = []
+
+    def run(self) -> LoadResult:
+        deadline = time.monotonic() + self.spec.timeout_s
+        self._set_up()
+        started = time.monotonic()
+        if self._submit_all(deadline):
+            self.progress(f"all {self.spec.claims} pods finished after {time.monotonic() - started:.1f}s")
+            if self._wait_clean(deadline):
+                self._wait_observed(min(deadline, time.monotonic() + OBSERVER_GRACE_S))
+        return self._result(started)
+
+    def _set_up(self) -> None:
+        for namespace, user in self.namespaces:
+            self.cluster.create_namespace(namespace)
+            for wants, device_class in TEMPLATES.items():
+                body = workloads.claim_template(f"{wants}-claim", device_class=device_class)
+                path = self.cluster.resource_path("resourceclaimtemplates", namespace)
+                self.cluster.request("POST", path, body, user=user)
+
+    def _submit(self, index: int) -> None:
+        namespace, user = self.namespaces[index % len(self.namespaces)]
+        wants = self.spec.wants(index)
+        annotations = workloads.workload_annotations(
+            canary=f"{CANARY_PREFIX}{index:05d}", look_for=CANARY_PREFIX, run_seconds=self.spec.run_time(index)
+        )
+        job = workloads.job(f"load-{index:05d}", namespace, template=f"{wants}-claim", annotations=annotations)
+        pod = workloads.job_pod(job)
+        pod["metadata"]["labels"][RUN_LABEL] = self.run_id
+        created = self.cluster.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod, user=user)
+        name = created["metadata"]["name"]
+        self.outcomes[(namespace, name)] = ClaimOutcome(namespace, name, wants)
+
+    def _reap_finished(self) -> int:
+        """Records what finished pods reported and deletes them; returns how many pods are still unfinished."""
+        pods = self.cluster.request("GET", "/api/v1/pods", query=[("labelSelector", f"{RUN_LABEL}={self.run_id}")])
+        unfinished = 0
+        for pod in pods["items"]:
+            meta, status = pod["metadata"], pod.get("status") or {}
+            outcome = self.outcomes.get((meta["namespace"], meta["name"]))
+            if outcome is None or outcome.finished:
+                continue  # being deleted
+            if status.get("phase") not in ("Succeeded", "Failed"):
+                unfinished += 1
+                continue
+            outcome.finished = True
+            outcome.canary_found = _canary_found(pod)
+            outcome.name = next(
+                (s.get("resourceClaimName") or "" for s in status.get("resourceClaimStatuses") or []), ""
+            )
+            with contextlib.suppress(ApiException):  # already gone
+                self.cluster.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
+        return unfinished
+
+    def _submit_all(self, deadline: float) -> bool:
+        submitted = unfinished = 0
+        last_report = time.monotonic()
+        while submitted < self.spec.claims or unfinished:
+            while submitted < self.spec.claims and unfinished < self.spec.parallelism:
+                self._submit(submitted)
+                submitted += 1
+                unfinished += 1
+            time.sleep(POLL_S)
+            unfinished = self._reap_finished()
+            if time.monotonic() > deadline:
+                self.notes.append(
+                    f"load run {self.run_id}: {submitted} of {self.spec.claims} pods submitted, {unfinished} not "
+                    f"finished after {self.spec.timeout_s:.0f}s"
+                )
+                return False
+            if time.monotonic() - last_report > 5:
+                last_report = time.monotonic()
+                self.progress(f"{submitted - unfinished} of {self.spec.claims} pods finished")
+        return True
+
+    def _wait_clean(self, deadline: float) -> bool:
+        """Until every claim of the run is gone (its finalizer removed by the agent, then deleted)."""
+        ours = {namespace for namespace, _ in self.namespaces}
+        while True:
+            items = self.cluster.request("GET", self.cluster.resource_path("resourceclaims"))["items"]
+            left = [c for c in items if c["metadata"]["namespace"] in ours]
+            if not left:
+                return True
+            if time.monotonic() > deadline:
+                states = Counter(
+                    (c["metadata"].get("annotations") or {}).get(names.ANNOTATION_SCRUB_STATUS, "none") for c in left
+                )
+                self.notes.append(
+                    f"load run {self.run_id}: {len(left)} claims not released after {self.spec.timeout_s:.0f}s "
+                    f"(scrub status: {dict(states)})"
+                )
+                return False
+            time.sleep(POLL_S)
+
+    def _wait_observed(self, until: float) -> None:
+        """Until the observer's watches have delivered the end of every claim and fence of the run that the
+        API already shows gone (they arrive a little after); what is still missing then is reported."""
+        ours = {namespace for namespace, _ in self.namespaces}
+        while time.monotonic() < until:
+            claims: dict[str, bool] = {}
+            for event in self.cluster.observer.claims():
+                if event.obj["metadata"].get("namespace") in ours:
+                    claims[event.obj["metadata"]["uid"]] = event.type == "DELETED"
+            fences: dict[str, bool] = {}
+            for event in self.cluster.observer.taint_rules():
+                if (event.obj["metadata"].get("labels") or {}).get(CLAIM_UID_LABEL) in claims:
+                    fences[event.obj["metadata"]["name"]] = event.type == "DELETED"
+            if all(claims.values()) and all(fences.values()):
+                return
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ what happened
+
+    def _result(self, started: float) -> LoadResult:
+        cluster = self.cluster
+        ours = {namespace for namespace, _ in self.namespaces}
+        history: dict[str, list[Observed]] = {}
+        for event in cluster.observer.claims():
+            if event.obj["metadata"].get("namespace") in ours:
+                history.setdefault(event.obj["metadata"]["uid"], []).append(event)
+        by_name = {(e[0].obj["metadata"]["namespace"], e[0].obj["metadata"]["name"]): uid for uid, e in history.items()}
+        fences: dict[str, list[Observed]] = {}
+        for event in cluster.observer.taint_rules():
+            uid = (event.obj["metadata"].get("labels") or {}).get(CLAIM_UID_LABEL)
+            if uid in history:
+                fences.setdefault(uid, []).append(event)
+        for outcome in self.outcomes.values():
+            uid = by_name.get((outcome.namespace, outcome.name), "")
+            if uid:
+                outcome.uid = uid
+                follow(outcome, history[uid], fences.get(uid, []), cluster.public_keys)
+        leftover = [
+            r["metadata"]["name"]
+            for r in cluster.taint_rules()
+            if (r["metadata"].get("labels") or {}).get(CLAIM_UID_LABEL) in history
+        ]
+        ends = [o.finalizer_removed_at for o in self.outcomes.values() if o.finalizer_removed_at is not None]
+        wall = (time.monotonic() if self.notes or not ends else max(ends)) - started
+        devices = cluster.gpus()
+        gpus = sum(d.parent_uuid is None for d in devices)
+        return LoadResult(
+            spec=self.spec,
+            gpus=gpus,
+            mig_per_gpu=(len(devices) - gpus) // max(gpus, 1),
+            wall_s=wall,
+            claims=sorted(self.outcomes.values(), key=lambda o: o.pod),
+            reallocations=reallocations(history),
+            violations=cluster.observer.violations(cluster.public_keys),
+            leftover_fences=leftover,
+            agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
+            notes=self.notes,
+        )
+
+
+def run_load(cluster: Cluster, spec: LoadSpec, progress: Callable[[str], None] | None = None) -> LoadResult:
+    return LoadRun(cluster, spec, progress).run()
+
+
+def _canary_found(pod: dict[str, Any]) -> bool | None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == CANARY_FOUND:
+            return condition.get("status") == "True"
+    return None
+
+
+def _allocated(claim: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    return tuple((r.get("driver", ""), r.get("pool", ""), r.get("device", "")) for r in results)
+
+
+def follow(
+    outcome: ClaimOutcome, events: list[Observed], fences: list[Observed], public_keys: dict[str, Ed25519PublicKey]
+) -> None:
+    """Fills in ``outcome`` from the claim's observed changes and its fences'."""
+    reserved_seen = had_finalizer = False
+    held: set[tuple[str, str, str]] = set()
+    for event in events:
+        claim = event.obj
+        status = claim.get("status") or {}
+        if not held and _allocated(claim):
+            held = set(_allocated(claim))
+            outcome.devices, outcome.allocated_at = tuple(sorted(d[2] for d in held)), event.at
+        if status.get("reservedFor"):
+            reserved_seen = True
+        elif reserved_seen and outcome.released_at is None:
+            outcome.released_at = event.at
+        finalizers = claim["metadata"].get("finalizers") or []
+        # A DELETED event shows the object as stored before its last finalizer went (see observer.py).
+        removed = event.type == "DELETED" or names.FINALIZER not in finalizers
+        if had_finalizer and removed and outcome.finalizer_removed_at is None:
+            outcome.finalizer_removed_at = event.at
+        had_finalizer = had_finalizer or names.FINALIZER in finalizers
+        token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
+        if token and not outcome.attested:
+            with contextlib.suppress(AttestationError):
+                check_claim_attestation(token, claim, public_keys, claimed_devices(claim) | held)
+                outcome.attested = True
+    added = {e.obj["metadata"]["name"]: e.at for e in fences if e.type in ("ADDED", "SYNC")}
+    deleted = {e.obj["metadata"]["name"]: e.at for e in fences if e.type == "DELETED"}
+    if added:
+        outcome.fenced_at = min(added.values())
+        if added.keys() <= deleted.keys():
+            outcome.unfenced_at = max(deleted.values())
+
+
+def reallocations(history: dict[str, list[Observed]]) -> int:
+    """Allocations of a device some earlier claim of the run held (so the canary check means something)."""
+    allocations = []
+    for events in history.values():
+        first = next((e for e in events if _allocated(e.obj)), None)
+        if first is not None:
+            allocations.append((first.rv, _allocated(first.obj)))
+    held: set[tuple[str, str, str]] = set()
+    reused = 0
+    for _, devices in sorted(allocations):
+        reused += sum(d in held for d in devices)
+        held.update(devices)
+    return reused
+
+
+def _histogram(cluster: Cluster, name: str) -> tuple[float, int]:
+    """(sum, count) of one of the agent's histograms, from its /metrics."""
+    with contextlib.suppress(OSError):
+        text = cluster.agent_metrics()
+        total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
+        count = re.search(rf"^{name}_count (\S+)$", text, re.M)
+        if total and count:
+            return float(total.group(1)), int(float(count.group(1)))
+    return 0.0, 0

@@ -1,0 +1,91 @@
+"""The whole lifecycle under load: 200 claims (MIG slices and whole GPUs) on 8 simulated GPUs x 7 MIG slices,
+through the real webhook and the real agent on the API stand-in (devcluster.load's workload, shared with
+bench/lifecycle.py, which reports the figures). Every claim must end fenced, scrubbed, attested, unfenced
+and released; the observer must see no dirty allocation and no unattested finalizer removal; no tenant may
+find an earlier tenant's canary; and a tenant stripping finalizers meanwhile is denied every time, with
+every denial in an audit log whose chain verifies. The wait is bounded; no time is asserted."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+
+import e2e_support
+import pytest
+from e2e_support import assert_invariant, patch_claim
+from kubernetes.client.exceptions import ApiException
+from scrubgate.policies import names
+
+from devcluster.harness import Cluster
+from devcluster.load import LoadRun, LoadSpec
+
+# The `cluster_factory` fixture.
+cluster_factory_fixture = e2e_support.cluster_factory_fixture
+
+SPEC = LoadSpec(claims=200, parallelism=24, run_seconds=4.0, timeout_s=240.0)
+
+
+def strip_finalizers(cluster: Cluster, run: LoadRun, stop: threading.Event) -> Counter[str]:
+    """While the load runs: each tenant in turn tries to remove the finalizer from one of its claims.
+    Returns how each attempt ended (``denied``, ``gone`` or ``raced`` are fine; ``accepted`` is not)."""
+    outcomes: Counter[str] = Counter()
+    turn = 0
+    while not stop.wait(0.5):
+        namespace, user = run.namespaces[turn % len(run.namespaces)]
+        turn += 1
+        claims = [c for c in cluster.claims(namespace) if names.FINALIZER in c["metadata"].get("finalizers", [])]
+        if not claims:
+            continue
+        finalizers = claims[0]["metadata"]["finalizers"]
+        ops = [
+            {"op": "test", "path": "/metadata/finalizers", "value": finalizers},  # not one the agent just changed
+            {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != names.FINALIZER]},
+        ]
+        try:
+            patch_claim(cluster, user, namespace, claims[0]["metadata"]["name"], ops)
+            outcomes["accepted"] += 1
+        except ApiException as exc:
+            message = json.loads(exc.body or "{}").get("message", "")
+            if exc.status == 404:
+                outcomes["gone"] += 1
+            elif exc.status == 422 and "is not equal to tested value" in message:
+                outcomes["raced"] += 1
+            elif "SG007" in message:
+                outcomes["denied"] += 1
+            else:
+                outcomes[f"HTTP {exc.status}: {message}"] += 1
+    return outcomes
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
+    cluster = cluster_factory(gpus=8, mig_per_gpu=7)
+    run = LoadRun(cluster, SPEC)
+    stop = threading.Event()
+    attacks: Counter[str] = Counter()
+    attacker = threading.Thread(target=lambda: attacks.update(strip_finalizers(cluster, run, stop)), daemon=True)
+    attacker.start()
+    try:
+        result = run.run()
+    finally:
+        stop.set()
+        attacker.join(timeout=30)
+
+    problems = result.problems()
+    assert not problems, f"{len(problems)} problems under load:\n" + "\n".join(problems[:40]) + "\n" + result.table()
+    assert len(result.claims) == SPEC.claims and {c.wants for c in result.claims} == {"mig", "gpu"}
+    # The canary check means something: devices went from one tenant to the next.
+    assert result.reallocations >= SPEC.claims - result.devices, result.table()
+
+    # Every finalizer strip was denied, and every denial is in the audit log, whose chain verifies.
+    assert attacks["denied"] > 0 and set(attacks) <= {"denied", "gone", "raced"}, attacks
+    denials = [r for namespace, _ in run.namespaces for r in cluster.audit_denials("SG007", namespace=namespace)]
+    assert len(denials) == attacks["denied"], (len(denials), attacks)
+    assert_invariant(cluster)
+
+    # Nothing is left behind: no fence of the run, and the agent has no teardown left.
+    assert not result.leftover_fences
+    status, detail = cluster.agent_healthz()
+    assert status == 200 and detail.startswith("ok: 0 teardown(s)"), detail
