@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 from scrubgate.policies.config import load_policy
 from scrubgate.policies.engine import shared_claims, validate
+from scrubgate.policies.model import POD_SPEC_PATHS
 
 from scrubgate.check import run_check
 
@@ -46,17 +47,8 @@ GOALS = {"evaluation": 50_000, "end_to_end": 5_000, "checkov_ratio": 20}
 
 # --- corpus ----------------------------------------------------------------------------------------------------
 
-WORKLOADS = {
-    "Pod": ("v1", ("spec",)),
-    "PodTemplate": ("v1", ("template", "spec")),
-    "ReplicationController": ("v1", ("spec", "template", "spec")),
-    "Deployment": ("apps/v1", ("spec", "template", "spec")),
-    "StatefulSet": ("apps/v1", ("spec", "template", "spec")),
-    "ReplicaSet": ("apps/v1", ("spec", "template", "spec")),
-    "DaemonSet": ("apps/v1", ("spec", "template", "spec")),
-    "Job": ("batch/v1", ("spec", "template", "spec")),
-    "CronJob": ("batch/v1", ("spec", "jobTemplate", "spec", "template", "spec")),
-}
+# kind -> (apiVersion, path to its PodSpec), from the policy core's own table (first, current version).
+WORKLOADS = {kind: (sorted(versions)[0], path) for kind, (versions, path) in POD_SPEC_PATHS.items()}
 CLASSES = ("gpu.nvidia.com", "mig.nvidia.com", "gpu.nvidia.com", "vfio.gpu.nvidia.com", "gpu.example.com")
 VIOLATIONS = ("retain", "admin", "fence", "shared", "short-grace", "no-grace")
 

@@ -18,7 +18,7 @@ RESOURCE_API_VERSIONS = frozenset(
 CLAIM_KINDS = frozenset({"ResourceClaim", "ResourceClaimTemplate"})
 
 # kind -> (apiVersions that carry it, path from the object to its PodSpec)
-_POD_SPEC_PATHS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+POD_SPEC_PATHS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "Pod": (frozenset({"v1"}), ("spec",)),
     "PodTemplate": (frozenset({"v1"}), ("template", "spec")),
     "ReplicationController": (frozenset({"v1"}), ("spec", "template", "spec")),
@@ -29,7 +29,7 @@ _POD_SPEC_PATHS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "Job": (frozenset({"batch/v1"}), ("spec", "template", "spec")),
     "CronJob": (frozenset({"batch/v1", "batch/v1beta1"}), ("spec", "jobTemplate", "spec", "template", "spec")),
 }
-WORKLOAD_KINDS = frozenset(_POD_SPEC_PATHS) - {"Pod"}
+WORKLOAD_KINDS = frozenset(POD_SPEC_PATHS) - {"Pod"}
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def is_claim(obj: dict[str, Any]) -> bool:
 
 def is_pod_carrier(obj: dict[str, Any]) -> bool:
     api_version, kind = kind_of(obj)
-    known = _POD_SPEC_PATHS.get(kind)
+    known = POD_SPEC_PATHS.get(kind)
     return known is not None and api_version in known[0]
 
 
@@ -84,7 +84,7 @@ class PodSpecRef:
 
 def pod_spec(obj: dict[str, Any]) -> PodSpecRef | None:
     """The PodSpec of a Pod or of the pod template a workload embeds."""
-    known = _POD_SPEC_PATHS.get(as_str(obj.get("kind")))
+    known = POD_SPEC_PATHS.get(as_str(obj.get("kind")))
     if known is None or as_str(obj.get("apiVersion")) not in known[0]:
         return None
     node: Any = obj

@@ -428,15 +428,8 @@ class TeardownEngine:
                 return self._fail(
                     td, "scrub-failed", f"{device.key} ({device.uuid}): {result.reason or 'not verified'}"
                 )
-            record = ScrubRecord(
-                bytes_scrubbed=result.bytes_scrubbed,
-                bytes_total=result.bytes_total,
-                bytes_reserved=result.bytes_reserved,
-                bytes_unreachable=result.bytes_unreachable,
-                duration_s=result.duration_s,
-                verified=True,
-                method=result.method,
-            )
+            # The checkpoint keeps the backend's result under the same field names.
+            record = ScrubRecord.model_validate(result, from_attributes=True)
             scrubbed.append(device.model_copy(update={"scrub": record}))
         snapshots = []
         for device in td.devices:
