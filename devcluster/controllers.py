@@ -4,13 +4,16 @@ as they would see the real components'.
 
 The resourceclaim controller clears a claim's allocation as soon as no pod holds it anymore,
 whatever other finalizers the claim has: that is the upstream behaviour, and the reason a device
-must be fenced by a taint rather than protected by a finalizer.
+must be fenced by a taint rather than protected by a finalizer. The status write goes through
+admission, where scrubgate's deallocation guard refuses it until the claim carries the agent's
+attestation; the controller then retries, as upstream's work queue does.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
 
 from .allocator import Inventory, Unschedulable, blocking_taints
 from .api import Api, Call, now_rfc3339
@@ -212,9 +215,14 @@ def _allocated_for(claim: dict, node: str) -> bool:
 
 class ClaimController(Worker):
     name = "resourceclaim-controller"
+    # Upstream requeues a claim whose sync failed with exponential backoff, and at once on any change to
+    # it: a deallocation that an admission webhook denies is retried when the claim changes (e.g. the
+    # node agent's attestation lands), else after the backoff.
+    max_backoff_s = 30.0
 
     def __init__(self, api: Api, interval_s: float = 0.5) -> None:
         super().__init__(api, CLAIM_CONTROLLER, interval_s)
+        self._backoff: dict[str, tuple[str, float, float]] = {}  # claim uid -> (resourceVersion, retry at, delay)
 
     def sync(self) -> None:
         generated: dict[tuple[str, str, str, str], dict] = {}  # (namespace, pod, pod uid, pod claim) -> claim
@@ -226,8 +234,23 @@ class ClaimController(Worker):
         for pod in _list(self.api, "", "pods"):
             self._sync_pod(pod, generated)
         pods_by_name = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in _list(self.api, "", "pods")}
-        for claim in _list(self.api, CLAIMS.group, CLAIMS.plural):
+        now = time.monotonic()
+        claims = _list(self.api, CLAIMS.group, CLAIMS.plural)
+        present = {c["metadata"]["uid"] for c in claims}
+        self._backoff = {uid: b for uid, b in self._backoff.items() if uid in present}
+        for claim in claims:
+            meta = claim["metadata"]
+            backoff = self._backoff.get(meta["uid"])
+            if backoff is not None and backoff[0] == meta.get("resourceVersion") and now < backoff[1]:
+                continue
             self._sync_claim(claim, pods_by_name)
+
+    def _failed(self, claim: dict) -> None:
+        """A status write of `claim` was refused: retry on its next change, or after the backoff."""
+        meta = claim["metadata"]
+        last = self._backoff.get(meta["uid"], ("", 0.0, 0.0))[2]
+        delay = min(last * 2 or self.interval_s, self.max_backoff_s)
+        self._backoff[meta["uid"]] = (meta.get("resourceVersion", ""), time.monotonic() + delay, delay)
 
     def _sync_pod(self, pod: dict, generated: dict[tuple[str, str, str, str], dict]) -> None:
         meta = pod["metadata"]
@@ -312,16 +335,20 @@ class ClaimController(Worker):
             if not valid and protected:
                 # Deallocate: the scheduler may hand these devices to the next claim right away.
                 claim["status"].pop("allocation", None)
-            claim = self.update(CLAIMS, claim, "status")
-            if claim is None:
+            updated = self.update(CLAIMS, claim, "status")
+            if updated is None:
+                self._failed(claim)
                 return
+            claim = updated
             if protected and not (claim.get("status") or {}).get("allocation"):
                 claim = self._drop_protection(claim)
         elif protected and meta.get("deletionTimestamp") and not valid:
             if (claim.get("status") or {}).get("allocation"):
-                claim = copy.deepcopy(claim)
-                claim["status"].pop("allocation")
-                claim = self.update(CLAIMS, claim, "status")
+                deallocated = copy.deepcopy(claim)
+                deallocated["status"].pop("allocation")
+                claim = self.update(CLAIMS, deallocated, "status")
+                if claim is None:
+                    self._failed(deallocated)
             if claim is not None:
                 claim = self._drop_protection(claim)
         if claim is None or valid:

@@ -62,6 +62,11 @@ class Agent(_Model):
     identities: tuple[str, ...] = (f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}",)
 
 
+class Scheduler(_Model):
+    # Its deallocations undo an allocation of its own scheduling cycle, before the pod is bound.
+    identities: tuple[str, ...] = ("system:kube-scheduler",)
+
+
 class AttestationKey(_Model):
     kid: str = Field(min_length=1)
     public_key: str = Field(alias="publicKey")
@@ -83,6 +88,7 @@ class PolicyConfig(_Model):
     grace_period: GracePeriod = Field(GracePeriod(), alias="gracePeriod")
     rules: dict[str, RuleSettings] = {}
     agent: Agent = Agent()
+    scheduler: Scheduler = Scheduler()
     admin_groups: tuple[str, ...] = Field(("system:masters",), alias="adminGroups")
     attestation_keys: tuple[AttestationKey, ...] = Field((), alias="attestationKeys")
 

@@ -31,6 +31,7 @@ class Admission:
     old_object: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None
     dry_run: bool = False
+    subresource: str = ""
 
 
 def _findings(policy: PolicyConfig, rule_id: str, violations: list[Violation]) -> list[Finding]:
@@ -64,6 +65,14 @@ def validate(
         return _findings(policy, "SG008", rules.force_delete(old, admission.options, admission.groups, policy))
     if not isinstance(obj, dict) or not is_known(obj):
         return []
+    if admission is not None and admission.subresource == "status":
+        # Only the status changes (the API server keeps spec and metadata): the deallocation guard.
+        old = admission.old_object
+        if admission.operation != "UPDATE" or not isinstance(old, dict) or not _enabled(policy, "SG007"):
+            return []
+        if kind_of(obj)[1] != "ResourceClaim":
+            return []
+        return _guarded(policy, rules.deallocation_guard(obj, old, admission.username, policy))
     found = _object_findings(obj, policy, trusted, manifest=admission is None)
     if admission is None or admission.operation == "CREATE":
         if is_claim(obj) and _enabled(policy, "SG007"):
@@ -76,11 +85,17 @@ def validate(
     existing = {(f.rule, f.path, f.message) for f in _object_findings(old, policy, trusted, manifest=False)}
     found = [f for f in found if (f.rule, f.path, f.message) not in existing]
     if kind_of(obj)[1] == "ResourceClaim" and _enabled(policy, "SG007"):
-        violations, break_glass = rules.finalizer_guard(obj, old, admission.username, admission.groups, policy)
-        found += _findings(policy, "SG007", violations)
-        # Break-glass is allowed, and always recorded, whatever the rule's action.
-        found += [Finding("SG007", "audit", message, path) for message, path, _ in break_glass]
+        found += _guarded(policy, rules.finalizer_guard(obj, old, admission.username, admission.groups, policy))
     return found
+
+
+def _guarded(policy: PolicyConfig, result: tuple[list[Violation], list[Violation]]) -> list[Finding]:
+    """SG007's findings from a guard's (violations, break-glass uses): break-glass is allowed, and always
+    recorded, whatever the rule's action."""
+    violations, break_glass = result
+    return _findings(policy, "SG007", violations) + [
+        Finding("SG007", "audit", message, path) for message, path, _ in break_glass
+    ]
 
 
 def _object_findings(obj: dict[str, Any], policy: PolicyConfig, trusted: bool, manifest: bool) -> list[Finding]:

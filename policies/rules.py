@@ -277,17 +277,9 @@ def finalizer_guard(
     path = "/metadata/finalizers"
     reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()
     if is_agent:
-        token = new_annotations.get(names.ANNOTATION_ATTESTATION)
-        if not isinstance(token, str) or not token:
-            violations.append(
-                (f"{names.FINALIZER} removed without a {names.ANNOTATION_ATTESTATION} annotation", path, ())
-            )
-            return violations, []
-        try:
-            required = claimed_devices(old) | claimed_devices(obj)
-            check_claim_attestation(token, obj, policy.public_keys, required)
-        except AttestationError as exc:
-            violations.append((f"{names.FINALIZER} removed with an attestation that does not hold: {exc}", path, ()))
+        problem = _attestation_problem(obj, old, policy)
+        if problem:
+            violations.append((f"{names.FINALIZER} removed {problem}", path, ()))
         return violations, []
     if is_admin and reason:
         return violations, [(f"break-glass removal of {names.FINALIZER} by {username!r}: {reason}", path, ())]
@@ -300,6 +292,52 @@ def finalizer_guard(
         )
     )
     return violations, []
+
+
+def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: PolicyConfig) -> str | None:
+    """Why the claim's attestation does not cover every device it holds or held (None when it does)."""
+    token = annotations(claim).get(names.ANNOTATION_ATTESTATION)
+    if not isinstance(token, str) or not token:
+        return f"without a {names.ANNOTATION_ATTESTATION} annotation"
+    try:
+        check_claim_attestation(token, claim, policy.public_keys, claimed_devices(old) | claimed_devices(claim))
+    except AttestationError as exc:
+        return f"with an attestation that does not hold: {exc}"
+    return None
+
+
+def deallocation_guard(
+    obj: dict[str, Any], old: dict[str, Any], username: str, policy: PolicyConfig
+) -> tuple[list[Violation], list[Violation]]:
+    """SG007 on an UPDATE of a GPU claim's status: the allocation goes (its devices back to the pool) only
+    once the claim carries an attestation of their scrub. The agent then always finds a released claim
+    still allocated, however late it looks, e.g. after a restart. Exempt: the scheduler undoing its own
+    allocation before binding (no container ran), and a claim an admin has set break-glass on.
+    Returns (violations, break-glass deallocations to audit)."""
+    allocation = as_dict(old.get("status")).get("allocation")
+    if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
+        return [], []
+    if names.FINALIZER not in as_list(metadata(old).get("finalizers")) and not gpu_requests(old, policy):
+        return [], []
+    if username in policy.scheduler.identities:
+        return [], []
+    # The metadata of a status write is the stored one: read the attestation from the old object.
+    path = "/status/allocation"
+    reason = as_str(annotations(old).get(names.ANNOTATION_BREAK_GLASS)).strip()
+    if reason:
+        return [], [(f"break-glass deallocation by {username!r}, devices not attested clean: {reason}", path, ())]
+    problem = _attestation_problem(old, old, policy)
+    if problem is None:
+        return [], []
+    return [
+        (
+            f"user {username!r} cleared the allocation {problem}: its devices may still hold the last tenant's "
+            f"data. The scrubgate node agent attests their scrub, then the deallocation is retried and "
+            f"allowed; if it does not, check the agent on the node (`scrubgate agent status`)",
+            path,
+            (),
+        )
+    ], []
 
 
 def _pod_done(pod: dict[str, Any]) -> bool:

@@ -72,10 +72,12 @@ RULES: dict[str, RuleMeta] = {
             "SG007",
             "finalizer-guard",
             "deny",
-            "removal of the sanitize finalizer or change of scrubgate annotations without a valid attestation",
+            "removal of the sanitize finalizer, deallocation of a GPU claim or change of scrubgate annotations "
+            "without a valid attestation",
             "Only the scrubgate node agent removes scrubgate.dev/sanitize and writes scrubgate.dev/ annotations, "
-            "with a signed attestation of a verified scrub; for a lost node, an admin sets "
-            "scrubgate.dev/break-glass with a reason first.",
+            "with a signed attestation of a verified scrub, and a GPU claim's allocation is cleared only once "
+            "that attestation is on the claim; for a lost node, an admin sets scrubgate.dev/break-glass with a "
+            "reason first.",
         ),
         RuleMeta(
             "SG008",

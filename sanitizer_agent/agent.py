@@ -1,8 +1,10 @@
 """The node agent: sees allocations on its node, fences them, and tears them down when they are released.
 
-Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), this
-node's ResourceSlices (to map DRA devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared
-while the agent was away), the agent's own checkpoint, and operator rescrub requests. Everything that
+Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), all
+claims at start and on resync (claims allocated here whose pods ended while the agent was away: the
+webhook keeps a GPU claim allocated until its scrub is attested), this node's ResourceSlices (to map DRA
+devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared while the agent was away), the
+agent's own checkpoint, and operator rescrub requests. Everything that
 changes state goes through the TeardownEngine; this module decides *when*.
 
 Start-up order matters: every device that may be dirty is fenced before anything else happens, so a
@@ -30,6 +32,7 @@ from .claims import (
     allocated_devices,
     created_at,
     pod_claim_names,
+    pod_consumers,
     pod_finished,
     recorded_devices,
     release_reason,
@@ -89,6 +92,7 @@ class Agent:
         self._slices: dict[DeviceKey, SliceDevice] = {}
         self._slices_read = float("-inf")
         self._finished_pods: dict[str, float] = {}  # pod UID -> when seen terminal or deleted
+        self._live_pods: set[str] = set()  # UIDs of this node's running pods, as of the last list and watch
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
 
@@ -129,8 +133,8 @@ class Agent:
             for prepared in nvidia.read_prepared_claims(self.settings.nvidia_checkpoint):
                 self._adopt_prepared(prepared)
         pods, _ = with_retries(f"list pods on {self.node}", lambda: self.cluster.list_node_pods(self.node))
-        for pod in pods:
-            self.observe_pod("SYNC", pod)
+        self._observe_list(pods)
+        self._sync_claims(with_retries("list resourceclaims", self.cluster.list_claims))
         self._check_releases()
 
     def _refresh_slices(self) -> None:
@@ -193,6 +197,9 @@ class Agent:
         finished = kind == "DELETED" or pod_finished(pod)
         if finished and uid:
             self._finished_pods[uid] = self.clock()
+            self._live_pods.discard(uid)
+        elif uid:
+            self._live_pods.add(uid)
         for name in pod_claim_names(pod):
             known = self._find(namespace, name)
             if known is not None and known.state == State.ALLOCATED and not finished:
@@ -209,6 +216,42 @@ class Agent:
             td = self._track(claim)
             if td is not None:
                 self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+
+    def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
+        """A full list of this node's pods. A running pod that is no longer in it has gone, though no watch
+        said so (a pod never changes node); returns whether there was one."""
+        vanished = self._live_pods - {(p.get("metadata") or {}).get("uid") for p in pods}
+        now = self.clock()
+        self._finished_pods.update(dict.fromkeys(vanished, now))
+        self._live_pods = set()
+        for pod in pods:
+            self.observe_pod("SYNC", pod)
+        return bool(vanished)
+
+    def _sync_claims(self, claims: list[dict[str, Any]]) -> None:
+        """Claims allocated devices of this node that no pod of it led the agent to: allocated and released
+        while it was down. The webhook keeps such a claim allocated until its scrub is attested, so it is
+        here however late the agent looks; one whose scrub is attested already is done."""
+        for claim in claims:
+            uid = (claim.get("metadata") or {}).get("uid")
+            if not uid or uid in self.store.teardowns or scrub_status(claim) == names.SCRUB_VERIFIED:
+                continue
+            if not any(key in self._slices for key in allocated_devices(claim)):
+                continue
+            td = self._track(claim)
+            if td is not None:
+                self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+
+    def _note_ended_consumers(self, claim: dict[str, Any]) -> None:
+        """Pods the claim is reserved for that the agent has neither seen running nor ending (they ended
+        while it was down, or were bound since its last list): asks the API which have ended."""
+        namespace = (claim.get("metadata") or {}).get("namespace") or ""
+        for name, uid in pod_consumers(claim):
+            if uid in self._finished_pods or uid in self._live_pods:
+                continue
+            pod = self.cluster.get_pod(namespace, name)
+            if pod is None or (pod.get("metadata") or {}).get("uid") != uid or pod_finished(pod):
+                self._finished_pods[uid] = self.clock()
 
     def _find(self, namespace: str, name: str) -> Teardown | None:
         return next(
@@ -264,6 +307,9 @@ class Agent:
         if claim is None and td.claim.name:
             claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
         reason = release_reason(claim, td.claim.uid, self._finished_pods)
+        if reason is None and claim is not None:
+            self._note_ended_consumers(claim)
+            reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason:
             self.engine.release(td, reason)
 
@@ -274,12 +320,13 @@ class Agent:
 
     def resync(self) -> None:
         """Periodic full look: claims still allocated (released first, so that a claim re-created under an
-        old name is seen as new), pods (in case a watch event was lost), slices."""
+        old name is seen as new), pods (in case a watch event was lost), all claims, slices."""
         self._refresh_slices()
         self._check_releases()
         pods, _ = self.cluster.list_node_pods(self.node)
-        for pod in pods:
-            self.observe_pod("SYNC", pod)
+        if self._observe_list(pods):
+            self._check_releases()
+        self._sync_claims(self.cluster.list_claims())
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
 
@@ -381,8 +428,7 @@ class Agent:
         if kind == "STOP":
             return
         if kind == "LIST":
-            for pod in payload:
-                self.observe_pod("SYNC", pod)
+            self._observe_list(payload)
             self._check_releases()
         else:
             self.observe_pod(kind, payload)

@@ -7,7 +7,8 @@ through `ApiClient` rather than the typed models: the agent reads several `resou
 same ones the policy core reads.
 
 At scale each agent lists and watches only its own node's pods (field selector `spec.nodeName`) and
-gets their claims by name: there is no cluster-wide claim watch per node.
+gets their claims by name: there is no cluster-wide claim watch per node. Only at start and on each
+resync does it list all claims, to find those allocated here whose pods ended while it was not looking.
 """
 
 from __future__ import annotations
@@ -63,8 +64,16 @@ class ClusterClient(Protocol):
         """The ResourceClaim, or None when it does not exist."""
         ...
 
+    def list_claims(self) -> list[dict[str, Any]]:
+        """Every ResourceClaim in the cluster (at start and on resync: claims whose pods are gone)."""
+        ...
+
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         """Applies a JSON patch (RFC 6902) to the claim's metadata; Conflict when a `test` op fails."""
+        ...
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod, or None when it does not exist."""
         ...
 
     def list_node_slices(self, node: str) -> list[dict[str, Any]]:
@@ -217,10 +226,13 @@ class KubernetesClusterClient:
             self._versions[resource] = found
         return self._versions[resource]
 
-    def _claims_path(self, namespace: str, name: str) -> str:
+    def _claims_path(self, namespace: str | None = None, name: str = "") -> str:
+        """The claims of all namespaces (namespace None), or the claim `name` in `namespace`."""
         version = self._served_version("resourceclaims", CLAIM_VERSIONS)
         if version is None:
             raise ClusterError(f"the API server serves no {GROUP} version with resourceclaims", 404)
+        if namespace is None:
+            return f"/apis/{GROUP}/{version}/resourceclaims"
         return f"/apis/{GROUP}/{version}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
 
     # ------------------------------------------------------------------ ClusterClient
@@ -250,6 +262,15 @@ class KubernetesClusterClient:
     def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._call("GET", self._claims_path(namespace, name))
+        except NotFound:
+            return None
+
+    def list_claims(self) -> list[dict[str, Any]]:
+        return self._list(self._claims_path(), [])[0]
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}")
         except NotFound:
             return None
 

@@ -97,6 +97,21 @@ class InMemoryCluster:
             claim = self.claims.get((namespace, name))
             return copy.deepcopy(claim) if claim else None
 
+    def list_claims(self) -> list[dict[str, Any]]:
+        self._call("list_claims")
+        with self._lock:
+            return [copy.deepcopy(c) for c in self.claims.values()]
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._call("get_pod", namespace, name)
+        with self._lock:
+            found = [
+                p
+                for p in self.pods.values()
+                if (p["metadata"]["namespace"], p["metadata"]["name"]) == (namespace, name)
+            ]
+            return copy.deepcopy(found[0]) if found else None
+
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         self._call("patch_claim", namespace, name, ops)
         with self._lock:

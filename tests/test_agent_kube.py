@@ -277,3 +277,42 @@ def test_real_client_whole_teardown_against_the_api_stand_in(tmp_path):
             stop.set()
             http.shutdown()
             runner.join(timeout=10)
+
+
+def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_path):
+    """list_claims (all namespaces) and get_pod (404 is None) over HTTP: the pod is deleted before the agent
+    ever runs, and its claim, still allocated, is found, scrubbed and released at start."""
+    node = make_node(tmp_path)
+    with ApiServer().start() as server:
+        api = client.ApiClient(client.Configuration(host=server.url))
+        cluster = KubernetesClusterClient(api)
+        core = client.CoreV1Api(api)
+        claim = seed_api(node, cluster, core)
+        simulated.fill(node.root, node.gpus[0].uuid, CANARY)
+        core.create_namespace({"metadata": {"name": "team-b"}})
+        cluster._call("POST", "/apis/resource.k8s.io/v1/namespaces/team-b/resourceclaims", body={
+            "metadata": {"name": "other"}, "spec": {"devices": {"requests": []}},
+        })  # fmt: skip
+        assert {(c["metadata"]["namespace"], c["metadata"]["name"]) for c in cluster.list_claims()} == {
+            ("team-a", "train"),
+            ("team-b", "other"),
+        }
+        assert cluster.get_pod("team-a", "train-0")["metadata"]["uid"] == claim["status"]["reservedFor"][0]["uid"]
+        core.delete_namespaced_pod("train-0", "team-a", grace_period_seconds=0)
+        assert cluster.get_pod("team-a", "train-0") is None
+
+        agent = Agent(
+            AgentSettings(node=NODE, nvidia_checkpoint=None),
+            cluster=cluster,
+            backend=node.backend(),
+            store=CheckpointStore(node.checkpoint, NODE),
+            signer=node.signer,
+        )
+        agent.start()
+        for _ in range(20):
+            agent.tick()
+        done = finalizer_removed(cluster)()
+        assert done is not None and node.clean(0)
+        check_claim_attestation(
+            done["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], done, node.signer.public_keys
+        )

@@ -126,12 +126,15 @@ def test_the_lifecycle_it_printed_is_in_the_api_servers_history(demo: Run) -> No
 
     # Step 7: the resourceVersion order it printed.
     order = demo.detail(
-        r"released (\d+) < attested (\d+) < fence lifted (\d+) < (team-b)/(\S+) allocated \S+ (\d+)"
+        r"attested (\d+) < deallocated (\d+) and fence lifted (\d+) < (team-b)/(\S+) allocated \S+ (\d+)"
     ).groups()
-    released, attested, lifted, reallocated = (int(order[i]) for i in (0, 1, 2, 5))
-    assert released < attested < lifted < reallocated
+    attested, deallocated, lifted, reallocated = (int(order[i]) for i in (0, 1, 2, 5))
+    assert attested < deallocated < reallocated and attested < lifted < reallocated
     by_rv = {v["rv"]: v["obj"] for v in versions}
-    assert not (by_rv[released].get("status") or {}).get("allocation")
+    assert not (by_rv[deallocated].get("status") or {}).get("allocation")
+    # Allocated in every version before the one it printed: never deallocated before the attestation.
+    held = min(rv for rv, obj in by_rv.items() if obj and (obj.get("status") or {}).get("allocation"))
+    assert all((obj.get("status") or {}).get("allocation") for rv, obj in by_rv.items() if held <= rv < deallocated)
     assert names.ANNOTATION_ATTESTATION in by_rv[attested]["metadata"]["annotations"]
     assert (
         min(
@@ -172,3 +175,5 @@ def test_each_rejection_it_printed_is_in_the_audit_log_which_verifies(demo: Run)
     assert result.problem is None and result.records == len(records)
     denials = int(demo.detail(r"audit\.jsonl: (\d+) denial\(s\)").group(1))
     assert denials == sum(1 for r in records.values() if r["decision"] == "deny")
+    early = int(demo.detail(r"(\d+) of them the resourceclaim controller's deallocation").group(1))
+    assert early == sum(1 for r in records.values() if r["decision"] == "deny" and r["subResource"] == "status")

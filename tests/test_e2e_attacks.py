@@ -37,7 +37,7 @@ from kubernetes import client as k8s
 from scrubgate.policies import names
 from scrubgate.policies.attestation import build_payload, check_claim_attestation, load_private_key, sign
 
-from devcluster import workloads
+from devcluster import auth, workloads
 from devcluster.harness import Cluster, wait_for
 from devcluster.observer import first_rv, is_allocated
 
@@ -77,6 +77,19 @@ class Record:
     name: str
 
 
+CLAIM_CONTROLLER = auth.CLAIM_CONTROLLER.username
+
+
+def deallocation(record: dict) -> bool:
+    """The resourceclaim controller's deallocation of a claim: refused until the agent's attestation is on it,
+    allowed and audited after break-glass. Not an attack: it runs beside them, whenever a claim is released."""
+    return record.get("subResource") == "status" and record["user"] == CLAIM_CONTROLLER
+
+
+def attack_records(cluster: Cluster) -> list[dict]:
+    return [r for r in cluster.audit_records() if not deallocation(r)]
+
+
 def summary(record: dict) -> Record:
     return Record(
         tuple(sorted({f["rule"]["id"] for f in record.get("findings") or []})),
@@ -103,7 +116,7 @@ class AuditBook:
         self, call: Callable[[], object], rule: str, *, user: str, operation: str, namespace: str, name: str
     ) -> str:
         """Runs an attack that the webhook must deny under ``rule``; returns the API server's message."""
-        before = len(self.cluster.audit_records())
+        before = len(attack_records(self.cluster))
         message = expect_denied(call, rule)
         assert 'admission webhook "validate-' in message, f"denied, but not by scrubgate's webhook: {message}"
         self._expect(before, Record((rule,), "deny", self.cluster.users[user].name, operation, namespace, name))
@@ -111,7 +124,7 @@ class AuditBook:
 
     def allowed(self, call: Callable[[], Any], audited: Record | None = None) -> Any:
         """Runs a request that must go through, with the one audit record ``audited`` or none."""
-        before = len(self.cluster.audit_records())
+        before = len(attack_records(self.cluster))
         result = call()
         self._expect(before, audited)
         return result
@@ -119,7 +132,7 @@ class AuditBook:
     def _expect(self, before: int, record: Record | None) -> None:
         want = [record] if record else []
         self.expected += want  # first: a wrong record also shows in the last test's count
-        written = [summary(r) for r in self.cluster.audit_records()[before:]]
+        written = [summary(r) for r in attack_records(self.cluster)[before:]]
         assert written == want, f"audit records written: {written}, expected: {want}"
 
 
@@ -605,7 +618,8 @@ def test_break_glass_releases_the_claim_object_only(
     )
     assert names.ANNOTATION_BREAK_GLASS in message
 
-    # The agent is lost; the tenant's pod ends, the claim is released and waits on the finalizer.
+    # The agent is lost; the tenant's pod ends, the claim is released and waits on the finalizer, still
+    # allocated: the controller's deallocation is refused while no attestation is on it.
     next_ns = tenant_namespace(cluster, "bg-next")
     with agent_lost(cluster):
         cluster.core("alice").delete_namespaced_pod("orphan", ns)
@@ -613,12 +627,13 @@ def test_break_glass_releases_the_claim_object_only(
             lambda: (
                 (c := cluster.claim(ns, name))
                 and c["metadata"].get("deletionTimestamp")
-                and not (c.get("status") or {}).get("allocation")
+                and any(deallocation(r) and r["name"] == name for r in cluster.audit_denials("SG007"))
                 and c
             ),
             WAIT_S,
-            f"claim {ns}/{name} released and waiting on {names.FINALIZER}",
+            f"claim {ns}/{name} released, waiting on {names.FINALIZER}, its deallocation refused",
         )
+        assert (released.get("status") or {}).get("allocation"), f"claim {ns}/{name} deallocated unattested"
         # A just-released claim is where a forged status or a replay would matter most: still refused.
         for user, body in (
             ("alice", stripping(released)),
@@ -644,8 +659,11 @@ def test_break_glass_releases_the_claim_object_only(
             Record(("SG007",), "audit", cluster.users["admin"].name, "UPDATE", ns, name),
         )
         wait_gone(cluster, ns, name)
-        (record,) = [r for r in cluster.audit_records() if r["decision"] == "audit" and r["name"] == name]
+        (record,) = [r for r in attack_records(cluster) if r["decision"] == "audit" and r["name"] == name]
         assert "break-glass" in record["findings"][0]["message"] and record["findings"][0]["action"] == "audit"
+        # Break-glass also let the controller deallocate the claim: allowed, and audited too.
+        (dealloc,) = [r for r in cluster.audit_records() if deallocation(r) and r["decision"] == "audit"]
+        assert dealloc["name"] == name and "break-glass deallocation" in dealloc["findings"][0]["message"]
 
         # The claim object is gone; its device is not released: the fence stands while no agent scrubs.
         assert any(_fences(rule, uid, device[2]) for rule in cluster.taint_rules())
@@ -709,9 +727,16 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
     assert [(d["device"], d["verified"]) for d in payload["devices"]] == [(device[2], True)]
     assert CANARY.encode() not in cluster.gpu_memory(cluster.device_uuid(device[2]))
 
-    # One record per denial (and per break-glass), in order: none lost, none extra.
+    # One record per denial (and per break-glass), in order: none lost, none extra. Beside them, only the
+    # controller's deallocations: refused (each claim released before its attestation), or the one allowed
+    # by break-glass.
     assert book.expected, "no attack ran"
-    assert [summary(r) for r in cluster.audit_records()] == book.expected
+    assert [summary(r) for r in attack_records(cluster)] == book.expected
+    deallocations = [summary(r) for r in cluster.audit_records() if deallocation(r)]
+    assert deallocations and {(r.rules, r.decision) for r in deallocations} == {
+        (("SG007",), "deny"),
+        (("SG007",), "audit"),
+    }
     result = cluster.verify_audit()
     assert result.returncode == 0, f"scrubgate audit verify: {result.stdout}{result.stderr}"
 

@@ -44,7 +44,7 @@ from scrubgate.policies import names
 from scrubgate.sanitizer_agent.checkpoint import State, Teardown, read
 from scrubgate.sanitizer_agent.gpu import simulated
 
-from devcluster import workloads
+from devcluster import auth, workloads
 from devcluster.harness import AGENT_USER, WEBHOOK_HOST, Cluster, ManagedProcess, denial, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -138,6 +138,16 @@ def fences(cluster: Cluster, held: Held, taint: str = names.TAINT_UNSANITIZED) -
 def deallocated(cluster: Cluster, held: Held) -> bool:
     claim = cluster.claim(held.namespace, held.claim)
     return claim is None or not (claim.get("status") or {}).get("allocation")
+
+
+def deallocation_refused(cluster: Cluster, held: Held) -> bool:
+    """The webhook has refused (and audited) a deallocation of the claim: it carries no attestation yet."""
+    return bool(cluster.audit_denials("SG007", namespace=held.namespace, name=held.claim, subResource="status"))
+
+
+def attested_on_claim(cluster: Cluster, held: Held) -> bool:
+    claim = cluster.claim(held.namespace, held.claim) or {}
+    return names.ANNOTATION_ATTESTATION in ((claim.get("metadata") or {}).get("annotations") or {})
 
 
 def strip_finalizer(cluster: Cluster, user: str, held: Held) -> dict:
@@ -356,8 +366,11 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
         cluster.core("alice").delete_namespaced_pod("a", ns_a)  # released while the agent is down
     expect_strip_denied(cluster, held)
 
+    # The claim keeps its device until its attestation is on it: the controller's deallocation is refused.
+    what = f"claim {held.claim} deallocated, or its deallocation refused"
+    wait_for(lambda: deallocated(cluster, held) or deallocation_refused(cluster, held), WAIT_S, what)
+    assert attested_on_claim(cluster, held) or not deallocated(cluster, held), "deallocated with no attestation"
     # The next tenant asks for exactly that device while the agent is down: not while it is fenced.
-    wait_for(lambda: deallocated(cluster, held), WAIT_S, f"claim {held.claim} deallocated")
     next_tenant(cluster, ns_b, "next", held.uuid)
     if expected.fenced:
         wait_unschedulable(cluster, ns_b, "next")
@@ -370,16 +383,10 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: the agent learns of an allocation only from a pod event and a fresh GET of the claim; a claim "
-    "allocated and released while the agent is down (or its loop is busy, e.g. in a long scrub) is seen "
-    "deallocated with no scrubgate.dev/devices annotation and ignored: its device is never fenced or scrubbed "
-    "(the next tenant reads the canary) and the claim keeps scrubgate.dev/sanitize forever",
-)
 def test_a_claim_the_agent_never_saw_is_still_scrubbed(cluster_factory: Any) -> None:
-    """kill -9 before the agent sees the allocation at all: a whole claim lifetime while it is down."""
+    """kill -9 before the agent sees the allocation at all: a whole claim lifetime while it is down. The
+    webhook keeps the claim allocated (the claim controller's deallocation is denied, and audited) until
+    the agent, back up, finds it in its list of claims, fences, scrubs and attests it."""
     cluster = cluster_factory(gpus=1)
     ns_a, ns_b = tenant_namespace(cluster, "unseen-a"), tenant_namespace(cluster, "unseen-b")
     create_template(cluster, "alice", ns_a, "one-gpu")
@@ -392,7 +399,14 @@ def test_a_claim_the_agent_never_saw_is_still_scrubbed(cluster_factory: Any) -> 
     )
     assert CANARY.encode() in cluster.gpu_memory(held.uuid)
     cluster.core("alice").delete_namespaced_pod("a", ns_a)
-    wait_for(lambda: deallocated(cluster, held), WAIT_S, f"claim {held.claim} deallocated")
+    wait_for(lambda: cluster.pod(ns_a, "a") is None, WAIT_S, f"pod {ns_a}/a deleted")
+    refused = wait_for(
+        lambda: cluster.audit_denials("SG007", namespace=ns_a, name=held.claim, subResource="status"),
+        WAIT_S,
+        f"the deallocation of {held.claim} refused",
+    )
+    assert refused[0]["user"] == auth.CLAIM_CONTROLLER.username
+    assert not deallocated(cluster, held), "the claim was deallocated with no attestation"
 
     cluster.agent.start()
     cluster.wait_agent_ready()
@@ -583,7 +597,10 @@ def test_every_gpu_fault_keeps_the_device_fenced_until_an_operator_rescrubs(clus
         expect_strip_denied(cluster, h)  # the tenant cannot get a failed claim out of the way either
 
     # Next tenants: one per failed GPU asking for exactly it (refused), one for any GPU (gets the spare).
-    wait_for(lambda: all(deallocated(cluster, h) for h in held.values()), WAIT_S, "the failed claims deallocated")
+    # The failed claims keep their devices: their deallocation is refused until a scrub is attested.
+    what = "the deallocation of each failed claim refused"
+    wait_for(lambda: all(deallocation_refused(cluster, h) for h in held.values()), WAIT_S, what)
+    assert not any(deallocated(cluster, h) for h in held.values())
     for kind, h in held.items():
         next_tenant(cluster, ns_b, f"next-{pod_name(kind)}", h.uuid)
     next_tenant(cluster, ns_b, "any", None)

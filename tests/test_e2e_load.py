@@ -17,6 +17,7 @@ from e2e_support import assert_invariant, patch_claim
 from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 
+from devcluster import auth
 from devcluster.harness import Cluster
 from devcluster.load import LoadRun, LoadSpec
 
@@ -58,6 +59,9 @@ def strip_finalizers(cluster: Cluster, run: LoadRun, stop: threading.Event) -> C
     return outcomes
 
 
+CLAIM_CONTROLLER = auth.CLAIM_CONTROLLER.username
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
@@ -79,10 +83,13 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     # The canary check means something: devices went from one tenant to the next.
     assert result.reallocations >= SPEC.claims - result.devices, result.table()
 
-    # Every finalizer strip was denied, and every denial is in the audit log, whose chain verifies.
+    # Every finalizer strip was denied, and every denial is in the audit log, whose chain verifies. Beside
+    # them: the resourceclaim controller's deallocations, refused until the agent's attestation.
     assert attacks["denied"] > 0 and set(attacks) <= {"denied", "gone", "raced"}, attacks
     denials = [r for namespace, _ in run.namespaces for r in cluster.audit_denials("SG007", namespace=namespace)]
-    assert len(denials) == attacks["denied"], (len(denials), attacks)
+    strips = [r for r in denials if r["subResource"] == ""]
+    assert len(strips) == attacks["denied"], (len(strips), attacks)
+    assert {(r["subResource"], r["user"]) for r in denials if r not in strips} <= {("status", CLAIM_CONTROLLER)}
     assert_invariant(cluster)
 
     # Nothing is left behind: no fence of the run, and the agent has no teardown left.

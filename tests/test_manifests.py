@@ -416,7 +416,7 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
     dra = names.RESOURCE_GROUP
     expected = {
         *(("", "pods", v) for v in ("get", "list", "watch")),
-        *((dra, "resourceclaims", v) for v in ("get", "patch", "update")),
+        *((dra, "resourceclaims", v) for v in ("get", "list", "patch", "update")),
         *((dra, "resourceslices", v) for v in ("get", "list", "watch")),
         *((dra, "devicetaintrules", v) for v in ("create", "delete", "get", "list")),
         ("", "nodes", "get"),

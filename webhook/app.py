@@ -78,6 +78,7 @@ def audit_fields(request: AdmissionRequest, outcome: Outcome, policy: PolicyConf
         "operation": request.operation,
         "apiVersion": request.api_version,
         "kind": request.kind_name,
+        "subResource": request.sub_resource,
         "namespace": request.namespace,
         "name": request.name or meta.get("name") or "",
         "generateName": meta.get("generateName") or "",

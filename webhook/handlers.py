@@ -63,6 +63,7 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
         old_object=request.old_object,
         options=request.options,
         dry_run=request.dry_run,
+        subresource=request.sub_resource,
     )
     findings = validate(request.object, policy, trusted=trusted, admission=admission)
     if not findings:

@@ -1,0 +1,100 @@
+"""Claims the agent had no pod event for: allocated and released while it was down. The webhook keeps such
+a GPU claim allocated (its deallocation is refused until the attestation), so the agent finds it in its
+list of claims at start and on resync; pods that ended unseen are asked for by name."""
+
+from __future__ import annotations
+
+from agent_support import NODE, make_node
+from scrubgate.policies import names
+from scrubgate.policies.attestation import check_claim_attestation
+from scrubgate.sanitizer_agent.checkpoint import State
+
+
+def test_a_claim_allocated_and_released_while_the_agent_was_down_is_scrubbed_at_start(tmp_path):
+    node = make_node(tmp_path)
+    claim, pod = node.tenant("job", [0])
+    node.cluster.delete_pod(pod["metadata"]["uid"])  # no agent ran: no pod event, no annotation, no checkpoint
+    assert node.canary_present(0)
+
+    agent = node.agent()
+    agent.start()
+    assert "get_pod" in node.cluster.calls, "the consumer was looked up: it is in neither the list nor a watch"
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    after = node.cluster.claims[("team-a", "job")]
+    assert names.FINALIZER not in after["metadata"]["finalizers"]
+    payload = check_claim_attestation(
+        after["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], after, node.signer.public_keys
+    )
+    assert payload["claim"]["uid"] == claim["metadata"]["uid"]
+    assert node.violations.found == []
+
+
+def test_a_claim_found_on_resync_is_torn_down(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    # Allocated and released between two resyncs, with the pod's events lost (a watch that broke).
+    claim, pod = node.tenant("job", [1])
+    node.cluster.delete_pod(pod["metadata"]["uid"])
+    agent.resync()
+    node.settle(agent)
+    assert node.clean(1) and not node.cluster.rules
+    assert claim["metadata"]["uid"] not in agent.store.teardowns
+    assert node.violations.found == []
+
+
+def test_a_claim_whose_pod_still_runs_is_fenced_and_kept(tmp_path):
+    """Listed before its pod reached the agent (bound since its last list of pods): the API says the pod
+    runs, so the claim is fenced and not released."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, _ = node.tenant("live", [0])
+    agent.resync()
+    td = agent.store.teardowns[claim["metadata"]["uid"]]
+    assert td.state == State.ALLOCATED
+    assert node.fenced(0) and node.canary_present(0)
+
+
+def test_a_pod_replaced_under_the_same_name_counts_as_ended(tmp_path):
+    node = make_node(tmp_path)
+    claim, pod = node.tenant("job", [0])
+    node.cluster.delete_pod(pod["metadata"]["uid"])
+    node.cluster.add_claim("team-a", "other", [node.key(1)])
+    node.cluster.add_pod("team-a", pod["metadata"]["name"], NODE, ["other"])  # same name, new UID
+    agent = node.agent()
+    agent.start()
+    node.settle(agent)
+    assert node.clean(0)
+    assert claim["metadata"]["uid"] not in agent.store.teardowns
+    assert node.violations.found == []
+
+
+def test_claims_of_other_nodes_and_attested_claims_are_left_alone(tmp_path):
+    node = make_node(tmp_path)
+    node.cluster.add_claim("team-a", "elsewhere", [("gpu.nvidia.com", "gpu-node-2", "gpu-0")])
+    done = node.cluster.add_claim(
+        "team-a", "done", [node.key(0)], annotations={names.ANNOTATION_SCRUB_STATUS: names.SCRUB_VERIFIED}
+    )
+    agent = node.agent()
+    agent.start()
+    assert agent.store.teardowns == {}
+    assert not node.cluster.rules
+    assert done["metadata"]["uid"] not in agent.store.teardowns
+
+
+def test_a_pod_missing_from_a_new_list_is_asked_for(tmp_path):
+    """A pod deleted while the watch was down: the next list no longer has it; the agent asks the API
+    rather than trust a running pod it saw before."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    assert node.fenced(0)
+    node.cluster.delete_pod(pod["metadata"]["uid"])  # the DELETED event is lost
+    agent.resync()
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    assert node.violations.found == []
