@@ -7,9 +7,10 @@ it gives the latencies and the invariant. Shared by ``bench/lifecycle.py`` (the 
 
 Pods are submitted as a Job with ``parallelism`` would: at most that many unfinished at once, the next
 one as soon as one ends; a finished pod is deleted, as the TTL-after-finished controller does for a Job
-with ``ttlSecondsAfterFinished: 0``. Release is the claim's ``reservedFor`` emptied (the resourceclaim
-controller, once the pod is done, which also clears the allocation); clean is the last of the claim's
-fences deleted (its devices allocatable again) and the finalizer removed (the claim object released).
+with ``ttlSecondsAfterFinished: 0``. Release is the pod's end (first seen Succeeded, Failed or gone),
+which releases its claim; the resourceclaim controller's clearing of ``reservedFor`` and the allocation
+is refused until the agent's attestation is on the claim. Clean is the last of the claim's fences deleted
+(its devices allocatable again) and the finalizer removed (the claim object released).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class ClaimOutcome:
             "the kubelet never reported whether it found a canary": self.canary_found is not None,
             "found an earlier tenant's canary in its device memory": not self.canary_found,
             "never fenced": self.fenced_at is not None,
-            "never released (reservedFor never emptied)": self.released_at is not None,
+            "its pod was never seen ending": self.released_at is not None,
             "no attestation verified for it": self.attested,
             "its fences were not all lifted": self.unfenced_at is not None,
             f"finalizer {names.FINALIZER} never removed": self.finalizer_removed_at is not None,
@@ -330,6 +331,11 @@ class LoadRun:
             if event.obj["metadata"].get("namespace") in ours:
                 history.setdefault(event.obj["metadata"]["uid"], []).append(event)
         by_name = {(e[0].obj["metadata"]["namespace"], e[0].obj["metadata"]["name"]): uid for uid, e in history.items()}
+        pods: dict[tuple[str, str], list[Observed]] = {}
+        for event in cluster.observer.pods():
+            meta = event.obj["metadata"]
+            if meta.get("namespace") in ours:
+                pods.setdefault((meta["namespace"], meta["name"]), []).append(event)
         fences: dict[str, list[Observed]] = {}
         for event in cluster.observer.taint_rules():
             uid = (event.obj["metadata"].get("labels") or {}).get(CLAIM_UID_LABEL)
@@ -337,6 +343,7 @@ class LoadRun:
                 fences.setdefault(uid, []).append(event)
         for outcome in self.outcomes.values():
             uid = by_name.get((outcome.namespace, outcome.name), "")
+            outcome.released_at = ended_at(pods.get((outcome.namespace, outcome.pod), []))
             if uid:
                 outcome.uid = uid
                 follow(outcome, history[uid], fences.get(uid, []), cluster.public_keys)
@@ -379,22 +386,29 @@ def _allocated(claim: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
     return tuple((r.get("driver", ""), r.get("pool", ""), r.get("device", "")) for r in results)
 
 
+def ended_at(pod_events: list[Observed]) -> float | None:
+    """When the pod was first seen ended (Succeeded, Failed or deleted): its claim's release."""
+    return min(
+        (
+            e.at
+            for e in pod_events
+            if e.type == "DELETED" or (e.obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        ),
+        default=None,
+    )
+
+
 def follow(
     outcome: ClaimOutcome, events: list[Observed], fences: list[Observed], public_keys: dict[str, Ed25519PublicKey]
 ) -> None:
     """Fills in ``outcome`` from the claim's observed changes and its fences'."""
-    reserved_seen = had_finalizer = False
+    had_finalizer = False
     held: set[tuple[str, str, str]] = set()
     for event in events:
         claim = event.obj
-        status = claim.get("status") or {}
         if not held and _allocated(claim):
             held = set(_allocated(claim))
             outcome.devices, outcome.allocated_at = tuple(sorted(d[2] for d in held)), event.at
-        if status.get("reservedFor"):
-            reserved_seen = True
-        elif reserved_seen and outcome.released_at is None:
-            outcome.released_at = event.at
         finalizers = claim["metadata"].get("finalizers") or []
         # A DELETED event shows the object as stored before its last finalizer went (see observer.py).
         removed = event.type == "DELETED" or names.FINALIZER not in finalizers

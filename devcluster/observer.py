@@ -64,9 +64,12 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
     - a device allocated to a claim while an earlier claim that held it has shown no attestation that
       verifies (signature, claim UID, that device verified clean);
     - the ``scrubgate.dev/sanitize`` finalizer gone from a claim whose attestation does not verify, and
-      no break-glass annotation on it (break-glass is allowed by design; it releases the object only).
+      no break-glass annotation on it (break-glass is allowed by design; it releases the object only);
+    - the allocation of a claim that carried that finalizer cleared while no verified attestation covers
+      its devices, and no break-glass annotation on it.
     """
     violations: list[str] = []
+    guarded: set[str] = set()  # claims that carried the finalizer
     last: dict[str, dict[str, Any]] = {}
     clean: dict[str, set[tuple[str, str, str]]] = {}
     holders: dict[tuple[str, str, str], set[str]] = {}
@@ -99,7 +102,16 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         listed = names.FINALIZER in (meta.get("finalizers") or [])
         had = names.FINALIZER in ((prev or {}).get("metadata") or {}).get("finalizers", []) or (gone and listed)
         has = listed and not gone
-        if had and not has and not (meta.get("annotations") or {}).get(names.ANNOTATION_BREAK_GLASS):
+        break_glass = bool((meta.get("annotations") or {}).get(names.ANNOTATION_BREAK_GLASS))
+        if listed:
+            guarded.add(uid)
+        unattested = before - clean[uid]
+        if uid in guarded and before and not _allocated(claim) and unattested and not break_glass:
+            devices = ", ".join("/".join(d) for d in sorted(unattested))
+            violations.append(
+                f"rv {event.rv}: claim {_claim_name(claim)} deallocated while {devices} has no verified attestation"
+            )
+        if had and not has and not break_glass:
             required = claimed_devices(prev or {}) | claimed_devices(claim)
             try:
                 if not token:
@@ -112,12 +124,12 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
 
 
 class Observer:
-    """Watches ResourceClaims and DeviceTaintRules (all namespaces) through the stand-in's HTTP watch and
-    keeps every change, so tests can check orderings after the fact. Survives a restarted or killed
+    """Watches ResourceClaims, DeviceTaintRules and pods (all namespaces) through the stand-in's HTTP watch
+    and keeps every change, so tests can check orderings after the fact. Survives a restarted or killed
     API server: it resumes from the last resourceVersion, or lists again (noted in ``gaps``) when the
     server no longer has it."""
 
-    RESOURCES = ("resourceclaims", "devicetaintrules")
+    RESOURCES = ("resourceclaims", "devicetaintrules", "pods")
 
     def __init__(self, port: Callable[[], int], token: str) -> None:
         self._port = port
@@ -159,16 +171,22 @@ class Observer:
     def taint_rules(self) -> list[Observed]:
         return self.events("devicetaintrules")
 
+    def pods(self) -> list[Observed]:
+        return self.events("pods")
+
     def violations(self, public_keys: dict[str, Ed25519PublicKey]) -> list[str]:
         return invariant_violations(self.events(), public_keys)
 
     # ------------------------------------------------------------------ watching
 
-    def _version(self, resource: str) -> str | None:
+    def _path(self, resource: str) -> str | None:
+        """The collection to list and watch; None when the API server does not serve it."""
+        if resource == "pods":
+            return "/api/v1/pods"
         for version in names.RESOURCE_VERSIONS:
             status, body = self._get(f"/apis/{names.RESOURCE_GROUP}/{version}")
             if status == 200 and any(r.get("name") == resource for r in body.get("resources") or []):
-                return version
+                return f"/apis/{names.RESOURCE_GROUP}/{version}/{resource}"
         return None
 
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
@@ -185,16 +203,15 @@ class Observer:
             self._events.append(Observed(rv, resource, kind, obj, time.monotonic()))
 
     def _run(self, resource: str) -> None:
-        version: str | None = None
+        path: str | None = None
         rv = ""
         while not self._stop.is_set():
             try:
-                if version is None:
-                    version = self._version(resource)
-                    if version is None:  # not served (e.g. no DeviceTaintRule API): nothing to watch
+                if path is None:
+                    path = self._path(resource)
+                    if path is None:  # not served (e.g. no DeviceTaintRule API): nothing to watch
                         self._synced.add(resource)
                         return
-                path = f"/apis/{names.RESOURCE_GROUP}/{version}/{resource}"
                 if not rv:
                     status, body = self._get(path)
                     if status != 200:

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import sign
 
-from devcluster.load import ClaimOutcome, LoadSpec, follow, percentile, reallocations
+from devcluster.load import ClaimOutcome, LoadSpec, ended_at, follow, percentile, reallocations
 from devcluster.observer import Observed
 
 KEY = Ed25519PrivateKey.generate()
@@ -55,6 +55,10 @@ def fence(rv: int, at: float, kind: str, name: str) -> Observed:
     return Observed(rv, "devicetaintrules", kind, {"metadata": {"name": name}}, at)
 
 
+def pod(rv: int, at: float, kind: str, phase: str) -> Observed:
+    return Observed(rv, "pods", kind, {"metadata": {"namespace": "load", "name": "p"}, "status": {"phase": phase}}, at)
+
+
 def finished(outcome: ClaimOutcome) -> ClaimOutcome:
     outcome.finished, outcome.canary_found = True, False
     return outcome
@@ -72,7 +76,10 @@ def test_a_clean_lifecycle_is_read_in_order() -> None:
     fences += [fence(12, 5.25, "DELETED", "own"), fence(13, 5.3, "DELETED", "parent")]
     outcome = finished(ClaimOutcome("load", "p", "mig", name="a", uid="a"))
     follow(outcome, history, fences, KEYS)
-    assert (outcome.allocated_at, outcome.fenced_at, outcome.released_at) == (1.0, 1.1, 5.0)
+    outcome.released_at = ended_at(
+        [pod(20, 1.0, "ADDED", "Running"), pod(21, 4.9, "MODIFIED", "Succeeded"), pod(22, 5.0, "DELETED", "Succeeded")]
+    )
+    assert (outcome.allocated_at, outcome.fenced_at, outcome.released_at) == (1.0, 1.1, 4.9)
     assert (outcome.unfenced_at, outcome.finalizer_removed_at) == (5.3, 5.4)
     assert outcome.attested and outcome.devices == (DEVICE[2],)
     assert outcome.problems() == []
@@ -93,7 +100,7 @@ def test_what_did_not_happen_shows_as_a_problem() -> None:
     never_fenced = finished(ClaimOutcome("load", "q", "mig", name="c", uid="c"))
     follow(never_fenced, events((1.0, "ADDED", claim("c", allocated=True, reserved=True))), [], KEYS)
     (problem,) = never_fenced.problems()
-    assert "never fenced" in problem and "never released" in problem and "finalizer" in problem
+    assert "never fenced" in problem and "never seen ending" in problem and "finalizer" in problem
 
     found = ClaimOutcome("load", "r", "gpu", finished=True, canary_found=True)
     assert "found an earlier tenant's canary" in found.problems()[0]
@@ -113,3 +120,8 @@ def test_percentiles_and_run_times() -> None:
     times = [spec.run_time(i) for i in range(200)]
     assert min(times) == 3.0 and max(times) == 5.0 and len(set(times[:10])) == 10
     assert [spec.wants(i) for i in range(8)] == ["mig"] * 7 + ["gpu"]
+
+
+def test_a_pod_seen_only_running_has_not_ended() -> None:
+    assert ended_at([pod(1, 1.0, "ADDED", "Pending"), pod(2, 2.0, "MODIFIED", "Running")]) is None
+    assert ended_at([pod(1, 1.0, "ADDED", "Running"), pod(2, 3.0, "DELETED", "Running")]) == 3.0

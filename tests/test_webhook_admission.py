@@ -6,31 +6,32 @@ from __future__ import annotations
 import base64
 import copy
 import json
-from datetime import UTC, datetime
-from pathlib import Path
 
 import jsonpatch
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
-from scrubgate.policies.attestation import build_payload, public_key_pem, sign
+from scrubgate.policies.attestation import public_key_pem
 from scrubgate.webhook import handlers
 from scrubgate.webhook.audit import verify_files
 from scrubgate.webhook.server import Settings
 from webhook_support import (
+    ADMIN,
     AGENT,
+    SIGNING_KEY,
     USER,
+    allocated_claim,
+    attestation,
+    audit_records,
     generated_claim,
     gpu_claim,
     gpu_pod,
     make_tls_dir,
+    post_review,
+    record_for,
     review,
     running_webhook,
     with_changes,
 )
-
-SIGNING_KEY = Ed25519PrivateKey.generate()
-ADMIN = {"username": "root-admin", "groups": ["system:masters", "system:authenticated"]}
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +55,6 @@ def webhook(tmp_path_factory):
             yield running
 
 
-def _post(webhook, path: str, body: dict) -> dict:
-    response = webhook.http.post(path, json=body)
-    assert response.status_code == 200, response.text
-    out = response.json()
-    assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
-    assert out["response"]["uid"] == body["request"]["uid"]
-    return out["response"]
-
-
-def _audit_records(webhook) -> list[dict]:
-    return [json.loads(line) for line in Path(webhook.audit_path).read_text().splitlines()]
-
-
-def _record_for(webhook, uid: str) -> dict:
-    matches = [r for r in _audit_records(webhook) if r["uid"] == uid]
-    assert len(matches) == 1, matches
-    return matches[0]
-
-
 def _patch_ops(response: dict) -> list[dict]:
     assert response["patchType"] == "JSONPatch"
     return json.loads(base64.b64decode(response["patch"]))
@@ -83,22 +65,22 @@ def _patch_ops(response: dict) -> list[dict]:
 
 def test_a_clean_gpu_claim_is_allowed_without_a_record(webhook):
     body = review(gpu_claim(finalizers=[names.FINALIZER]))
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is True
     assert "warnings" not in response and "status" not in response
-    assert not [r for r in _audit_records(webhook) if r["uid"] == body["request"]["uid"]]
+    assert not [r for r in audit_records(webhook) if r["uid"] == body["request"]["uid"]]
 
 
 def test_retain_is_denied_in_a_multi_tenant_namespace_with_the_rule_and_the_fix(webhook):
     claim = gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
     body = review(claim)
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is False
     assert response["status"]["code"] == 403
     message = response["status"]["message"]
     assert message.startswith("scrubgate denied CREATE of ResourceClaim team-a/train-0: SG001 retain-deallocation:")
     assert "set it to Delete" in message
-    record = _record_for(webhook, body["request"]["uid"])
+    record = record_for(webhook, body["request"]["uid"])
     assert record["decision"] == "deny"
     assert record["operation"] == "CREATE" and record["kind"] == "ResourceClaim"
     assert (record["namespace"], record["name"], record["user"]) == ("team-a", "train-0", "alice")
@@ -111,42 +93,42 @@ def test_retain_is_denied_in_a_multi_tenant_namespace_with_the_rule_and_the_fix(
 
 def test_retain_is_allowed_on_the_trusted_path(webhook):
     claim = gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
-    assert _post(webhook, "/validate/trusted", review(claim))["allowed"] is True
+    assert post_review(webhook, "/validate/trusted", review(claim))["allowed"] is True
 
 
 def test_a_dry_run_denial_is_recorded_as_dry_run(webhook):
     body = review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}), dry_run=True)
-    assert _post(webhook, "/validate", body)["allowed"] is False
-    assert _record_for(webhook, body["request"]["uid"])["dryRun"] is True
+    assert post_review(webhook, "/validate", body)["allowed"] is False
+    assert record_for(webhook, body["request"]["uid"])["dryRun"] is True
 
 
 def test_warn_findings_become_short_warnings_and_are_recorded(webhook):
     body = review(gpu_claim(adminAccess=True))  # SG006 is `warn` in this module's policy
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is True
     assert len(response["warnings"]) == 1
     warning = response["warnings"][0]
     assert warning.startswith("[SG006 admin-access]") and len(warning) <= 120
-    assert _record_for(webhook, body["request"]["uid"])["decision"] == "warn"
+    assert record_for(webhook, body["request"]["uid"])["decision"] == "warn"
 
 
 def test_audit_findings_allow_and_leave_a_record(webhook):
     tolerant = gpu_claim(tolerations=[{"key": names.TAINT_UNSANITIZED, "operator": "Exists", "effect": "NoSchedule"}])
     body = review(tolerant)  # SG005 is `audit` in this module's policy
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is True and "warnings" not in response
-    record = _record_for(webhook, body["request"]["uid"])
+    record = record_for(webhook, body["request"]["uid"])
     assert record["decision"] == "audit"
     assert record["findings"][0]["rule"] == {"id": "SG005", "name": "fence-toleration"}
 
 
 def test_a_pod_sharing_a_claim_is_denied_unless_trusted(webhook):
     pod = gpu_pod(claim_ref={"resourceClaimName": "shared-gpu"})
-    response = _post(webhook, "/validate", review(pod))
+    response = post_review(webhook, "/validate", review(pod))
     assert response["allowed"] is False
     assert "SG002 shared-claim" in response["status"]["message"]
     assert "resourceClaimTemplateName" in response["status"]["message"]
-    assert _post(webhook, "/validate/trusted", review(pod))["allowed"] is True
+    assert post_review(webhook, "/validate/trusted", review(pod))["allowed"] is True
 
 
 def test_a_deployment_sharing_a_claim_is_denied_even_when_trusted(webhook):
@@ -157,19 +139,19 @@ def test_a_deployment_sharing_a_claim_is_denied_even_when_trusted(webhook):
         "metadata": {"name": "trainer", "namespace": "team-a"},
         "spec": {"replicas": 2, "template": {"metadata": {}, "spec": pod["spec"]}},
     }
-    response = _post(webhook, "/validate/trusted", review(deployment))
+    response = post_review(webhook, "/validate/trusted", review(deployment))
     assert response["allowed"] is False and "SG002" in response["status"]["message"]
 
 
 def test_a_short_grace_period_is_denied(webhook):
-    response = _post(webhook, "/validate", review(gpu_pod(grace=0)))
+    response = post_review(webhook, "/validate", review(gpu_pod(grace=0)))
     assert response["allowed"] is False
     assert "SG003 grace-period" in response["status"]["message"]
 
 
 def test_several_denials_are_all_named(webhook):
     pod = gpu_pod(grace=1, claim_ref={"resourceClaimName": "shared-gpu"})
-    message = _post(webhook, "/validate", review(pod))["status"]["message"]
+    message = post_review(webhook, "/validate", review(pod))["status"]["message"]
     assert "SG002 shared-claim" in message and "SG003 grace-period" in message
 
 
@@ -177,45 +159,10 @@ def test_unknown_kinds_are_allowed_untouched(webhook):
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "team-a"}}
     for path in ("/validate", "/mutate"):
         body = review(config_map)
-        assert _post(webhook, path, body) == {"uid": body["request"]["uid"], "allowed": True}
+        assert post_review(webhook, path, body) == {"uid": body["request"]["uid"], "allowed": True}
 
 
 # -- the finalizer guard (SG007) -----------------------------------------------------------------------
-
-DEVICE = {"driver": "gpu.nvidia.com", "pool": "node-1", "device": "gpu-0"}
-
-
-def _allocated_claim() -> dict:
-    claim = gpu_claim(
-        finalizers=[names.FINALIZER],
-        annotations={names.ANNOTATION_DEVICES: json.dumps([{**DEVICE, "uuid": "GPU-1"}])},
-    )
-    claim["status"] = {"allocation": {"devices": {"results": [{**DEVICE, "request": "gpu"}]}}}
-    return claim
-
-
-def _attestation(claim: dict, *, uid: str | None = None) -> str:
-    now = datetime.now(UTC)
-    payload = build_payload(
-        namespace=claim["metadata"]["namespace"],
-        name=claim["metadata"]["name"],
-        uid=uid or claim["metadata"]["uid"],
-        node="node-1",
-        devices=[
-            {
-                **DEVICE,
-                "uuid": "GPU-1",
-                "bytesScrubbed": 80 << 30,
-                "bytesTotal": 80 << 30,
-                "method": names.ATTESTATION_METHOD,
-                "verified": True,
-            }
-        ],
-        started_at=now,
-        finished_at=now,
-        health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
-    )
-    return sign(payload, SIGNING_KEY, "node-agent-1")
 
 
 def _released(old: dict, token: str | None) -> dict:
@@ -226,36 +173,36 @@ def _released(old: dict, token: str | None) -> dict:
 
 
 def test_a_user_cannot_remove_the_sanitize_finalizer(webhook):
-    old = _allocated_claim()
+    old = allocated_claim()
     new = with_changes(old, finalizers=[])
     body = review(new, operation="UPDATE", old=old)
-    response = _post(webhook, "/validate/trusted", body)
+    response = post_review(webhook, "/validate/trusted", body)
     assert response["allowed"] is False
     assert "SG007 finalizer-guard" in response["status"]["message"]
-    assert _record_for(webhook, body["request"]["uid"])["operation"] == "UPDATE"
+    assert record_for(webhook, body["request"]["uid"])["operation"] == "UPDATE"
 
 
-def test_the_agent_removes_the_finalizer_with_a_valid_attestation(webhook):
-    old = _allocated_claim()
-    body = review(_released(old, _attestation(old)), operation="UPDATE", old=old, user={"username": AGENT})
-    assert _post(webhook, "/validate", body)["allowed"] is True
+def test_the_agent_removes_the_finalizer_with_a_validattestation(webhook):
+    old = allocated_claim()
+    body = review(_released(old, attestation(old)), operation="UPDATE", old=old, user={"username": AGENT})
+    assert post_review(webhook, "/validate", body)["allowed"] is True
 
 
 def test_an_attestation_for_another_claim_is_refused(webhook):
-    old = _allocated_claim()
-    token = _attestation(old, uid="00000000-0000-4000-8000-000000000099")
+    old = allocated_claim()
+    token = attestation(old, uid="00000000-0000-4000-8000-000000000099")
     body = review(_released(old, token), operation="UPDATE", old=old, user={"username": AGENT})
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is False
     assert "attestation" in response["status"]["message"]
 
 
 def test_break_glass_by_an_admin_is_allowed_and_audited(webhook):
-    old = _allocated_claim()
+    old = allocated_claim()
     old["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "node-1 lost in a fire"
     body = review(with_changes(old, finalizers=[]), operation="UPDATE", old=old, user=ADMIN)
-    assert _post(webhook, "/validate", body)["allowed"] is True
-    record = _record_for(webhook, body["request"]["uid"])
+    assert post_review(webhook, "/validate", body)["allowed"] is True
+    record = record_for(webhook, body["request"]["uid"])
     assert record["decision"] == "audit"
     assert "break-glass" in record["findings"][0]["message"]
 
@@ -280,18 +227,18 @@ FORCE = {
 
 def test_force_delete_of_a_gpu_pod_is_denied(webhook):
     body = review(None, operation="DELETE", old=_running_pod(), options=FORCE)
-    response = _post(webhook, "/validate", body)
+    response = post_review(webhook, "/validate", body)
     assert response["allowed"] is False
     assert "SG008 force-delete" in response["status"]["message"]
-    assert _record_for(webhook, body["request"]["uid"])["name"] == "trainer-7d9f"
+    assert record_for(webhook, body["request"]["uid"])["name"] == "trainer-7d9f"
 
 
 def test_force_delete_by_an_admin_and_graceful_delete_are_allowed(webhook):
-    assert _post(webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=FORCE, user=ADMIN))[
-        "allowed"
-    ]
+    assert post_review(
+        webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=FORCE, user=ADMIN)
+    )["allowed"]
     graceful = dict(FORCE, gracePeriodSeconds=30)
-    assert _post(webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=graceful))[
+    assert post_review(webhook, "/validate", review(None, operation="DELETE", old=_running_pod(), options=graceful))[
         "allowed"
     ]
 
@@ -303,7 +250,7 @@ def _mutate_until_stable(webhook, obj: dict) -> tuple[dict, list[list[dict]]]:
     """Applies the webhook's patches as the API server does, reinvoking until nothing is added."""
     patches = []
     for _ in range(3):
-        response = _post(webhook, "/mutate", review(obj))
+        response = post_review(webhook, "/mutate", review(obj))
         assert response["allowed"] is True
         if "patch" not in response:
             return obj, patches
@@ -338,15 +285,15 @@ def test_a_pod_without_grace_period_gets_the_default(webhook):
 
 
 def test_a_users_grace_period_is_kept_and_updates_are_not_mutated(webhook):
-    assert "patch" not in _post(webhook, "/mutate", review(gpu_pod(grace=45)))
+    assert "patch" not in post_review(webhook, "/mutate", review(gpu_pod(grace=45)))
     claim = gpu_claim(finalizers=[])
-    assert "patch" not in _post(webhook, "/mutate", review(claim, operation="UPDATE", old=claim))
+    assert "patch" not in post_review(webhook, "/mutate", review(claim, operation="UPDATE", old=claim))
 
 
 def test_a_non_gpu_claim_is_not_mutated(webhook):
     claim = gpu_claim()
     claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "fpga.example.com"
-    assert "patch" not in _post(webhook, "/mutate", review(claim))
+    assert "patch" not in post_review(webhook, "/mutate", review(claim))
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -387,7 +334,7 @@ def test_bad_envelopes_are_refused_with_400(webhook):
         _refused(response, 400, fragment)
 
 
-def test_admission_paths_take_only_post(webhook):
+def test_admission_paths_take_onlypost_review(webhook):
     response = webhook.http.get("/validate")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
 
@@ -441,7 +388,7 @@ def test_an_exception_inside_a_rule_is_an_errored_refusal(webhook, monkeypatch):
     monkeypatch.setattr(handlers, "validate", broken)
     monkeypatch.setattr(handlers, "default", broken)
     for path in ("/validate", "/mutate"):
-        response = _post(webhook, path, review(gpu_claim()))
+        response = post_review(webhook, path, review(gpu_claim()))
         assert response["allowed"] is False
         assert response["status"]["code"] == 500
         assert "could not evaluate ResourceClaim team-a/train-0" in response["status"]["message"]
@@ -457,10 +404,10 @@ def test_an_unwritable_audit_log_refuses_warned_requests_but_keeps_denials(webho
     state = webhook.state
     sink, state.audit = state.audit, Broken()
     try:
-        warned = _post(webhook, "/validate", review(gpu_claim(adminAccess=True)))
+        warned = post_review(webhook, "/validate", review(gpu_claim(adminAccess=True)))
         assert warned["allowed"] is False and warned["status"]["code"] == 500
         assert "audit log" in warned["status"]["message"]
-        denied = _post(
+        denied = post_review(
             webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}))
         )
         assert denied["allowed"] is False and denied["status"]["code"] == 403
@@ -476,7 +423,7 @@ def test_an_unwritable_audit_log_refuses_warned_requests_but_keeps_denials(webho
 def test_health_readiness_and_metrics(webhook):
     assert webhook.http.get("/healthz").status_code == 200
     assert webhook.http.get("/readyz").json() == {"status": "ready"}
-    _post(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
+    post_review(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
     text = webhook.http.get("/metrics").text
     assert (
         'scrubgate_admission_requests_total{decision="deny",kind="ResourceClaim",operation="CREATE",webhook="/validate"}'
@@ -488,7 +435,7 @@ def test_health_readiness_and_metrics(webhook):
 
 
 def test_the_audit_log_of_this_module_verifies(webhook):
-    _post(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
+    post_review(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
     result = verify_files([webhook.audit_path])
     assert result.intact, result.problem
-    assert result.starts_at_genesis and result.records == len(_audit_records(webhook))
+    assert result.starts_at_genesis and result.records == len(audit_records(webhook))

@@ -4,6 +4,7 @@ AdmissionReviews. Plain functions (no fixtures) so that each test module owns it
 from __future__ import annotations
 
 import copy
+import json
 import ssl
 import threading
 import time
@@ -11,11 +12,15 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.certs.generate import TlsFiles, generate_ca, issue_serving_cert, write_tls_dir
+from scrubgate.policies import names
+from scrubgate.policies.attestation import build_payload, sign
 from scrubgate.webhook.app import create_app
 from scrubgate.webhook.server import Settings, build, build_server
 
@@ -195,3 +200,65 @@ def with_changes(obj: dict[str, Any], **metadata: Any) -> dict[str, Any]:
     changed = copy.deepcopy(obj)
     changed["metadata"].update(metadata)
     return changed
+
+
+# ---------------------------------------------------------------- admission calls and the claims they carry
+
+# The node agent's key: the test webhooks' policies trust it under kid node-agent-1.
+SIGNING_KEY = Ed25519PrivateKey.generate()
+ADMIN = {"username": "root-admin", "groups": ["system:masters", "system:authenticated"]}
+
+
+def post_review(webhook, path: str, body: dict) -> dict:
+    response = webhook.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+    assert out["response"]["uid"] == body["request"]["uid"]
+    return out["response"]
+
+
+def audit_records(webhook) -> list[dict]:
+    return [json.loads(line) for line in Path(webhook.audit_path).read_text().splitlines()]
+
+
+def record_for(webhook, uid: str) -> dict:
+    matches = [r for r in audit_records(webhook) if r["uid"] == uid]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+DEVICE = {"driver": "gpu.nvidia.com", "pool": "node-1", "device": "gpu-0"}
+
+
+def allocated_claim() -> dict:
+    claim = gpu_claim(
+        finalizers=[names.FINALIZER],
+        annotations={names.ANNOTATION_DEVICES: json.dumps([{**DEVICE, "uuid": "GPU-1"}])},
+    )
+    claim["status"] = {"allocation": {"devices": {"results": [{**DEVICE, "request": "gpu"}]}}}
+    return claim
+
+
+def attestation(claim: dict, *, uid: str | None = None) -> str:
+    now = datetime.now(UTC)
+    payload = build_payload(
+        namespace=claim["metadata"]["namespace"],
+        name=claim["metadata"]["name"],
+        uid=uid or claim["metadata"]["uid"],
+        node="node-1",
+        devices=[
+            {
+                **DEVICE,
+                "uuid": "GPU-1",
+                "bytesScrubbed": 80 << 30,
+                "bytesTotal": 80 << 30,
+                "method": names.ATTESTATION_METHOD,
+                "verified": True,
+            }
+        ],
+        started_at=now,
+        finished_at=now,
+        health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
+    )
+    return sign(payload, SIGNING_KEY, "node-agent-1")

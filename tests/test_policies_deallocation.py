@@ -1,0 +1,298 @@
+"""SG007's deallocation guard: a status write that clears a GPU claim's allocation (its devices back to the
+pool) is allowed only with an attestation of their scrub on the stored claim, from the scheduler undoing its
+own cycle, or under an admin's break-glass (audited)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.policies import names
+from scrubgate.policies.attestation import public_key_pem, sign
+from scrubgate.policies.config import PolicyConfig, PolicyError, load_policy, parse_policy
+from scrubgate.policies.engine import Admission, Operation, validate
+from scrubgate.policies.findings import Finding
+from test_attestation import DEVICE, KID, payload
+from test_attestation import claim as recorded_claim
+from webhook_support import gpu_claim
+
+KEY = Ed25519PrivateKey.generate()
+KEYS = [{"kid": KID, "publicKey": public_key_pem(KEY)}]
+POLICY = parse_policy({"attestationKeys": KEYS})
+UID = "uid-1"  # the claim UID test_attestation's payload attests by default
+OTHER_DEVICE = {**DEVICE, "device": "gpu-1", "uuid": "GPU-5678"}
+SCHEDULER = "system:kube-scheduler"
+PATH = "/status/allocation"
+
+
+def allocated(
+    *,
+    devices: tuple[dict[str, str], ...] = (DEVICE,),
+    annotations: dict[str, str] | None = None,
+    finalizers: tuple[str, ...] = (names.FINALIZER,),
+    device_class: str = "gpu.nvidia.com",
+    recorded: bool = True,
+) -> dict[str, Any]:
+    """A claim as stored while allocated: `devices` in status.allocation and, when `recorded`, in the agent's
+    scrubgate.dev/devices annotation."""
+    shape = recorded_claim(UID, devices)
+    agent = shape["metadata"]["annotations"] if recorded else {}
+    obj = gpu_claim(
+        "c",
+        uid=UID,
+        finalizers=list(finalizers),
+        annotations={**agent, **(annotations or {})},
+        deviceClassName=device_class,
+    )
+    obj["status"] = shape["status"]
+    return obj
+
+
+def attested(**kwargs: Any) -> dict[str, str]:
+    """The attestation annotation of a token signed by the policy's key; kwargs go to the payload."""
+    return {names.ANNOTATION_ATTESTATION: sign(payload(**kwargs), KEY, KID)}
+
+
+def deallocated(old: dict[str, Any]) -> dict[str, Any]:
+    """The status write that clears the allocation: the API server keeps the stored metadata and spec."""
+    new = copy.deepcopy(old)
+    del new["status"]["allocation"]
+    return new
+
+
+def status_update(
+    old: dict[str, Any] | None,
+    new: dict[str, Any] | None,
+    user: str = "alice",
+    *,
+    groups: tuple[str, ...] = ("tenants",),
+    policy: PolicyConfig = POLICY,
+    operation: Operation = "UPDATE",
+    subresource: str = "status",
+) -> list[Finding]:
+    admission = Admission(operation, user, groups, old_object=old, subresource=subresource)
+    return validate(new, policy, trusted=False, admission=admission)
+
+
+def assert_denied(findings: list[Finding], *fragments: str) -> None:
+    assert [(f.rule, f.action, f.path) for f in findings] == [("SG007", "deny", PATH)], findings
+    for fragment in fragments:
+        assert fragment in findings[0].message, findings[0].message
+
+
+# -- denied without proof of a scrub ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("finalizers", "device_class"),
+    [((names.FINALIZER,), "gpu.nvidia.com"), ((), "mig.nvidia.com"), ((names.FINALIZER,), "fpga.example.com")],
+    ids=["finalizer-and-gpu-class", "gpu-class-only", "finalizer-only"],
+)
+def test_clearing_a_gpu_claims_allocation_without_attestation_is_denied(finalizers, device_class):
+    old = allocated(finalizers=finalizers, device_class=device_class)
+    assert_denied(
+        status_update(old, deallocated(old)),
+        "user 'alice' cleared the allocation",
+        f"without a {names.ANNOTATION_ATTESTATION} annotation",
+    )
+
+
+def test_a_status_write_that_drops_the_whole_status_or_swaps_devices_is_a_deallocation():
+    old = allocated()
+    no_status = copy.deepcopy(old)
+    del no_status["status"]
+    assert_denied(status_update(old, no_status))
+    swapped = copy.deepcopy(old)
+    swapped["status"]["allocation"]["devices"]["results"][0]["device"] = OTHER_DEVICE["device"]
+    assert_denied(status_update(old, swapped))
+
+
+def test_the_guard_holds_in_every_served_api_version(dra, resource_version):
+    old = dra.claim(resource_version, name="c", finalizers=[names.FINALIZER])
+    old["metadata"]["uid"] = UID
+    old["status"] = recorded_claim(UID)["status"]
+    assert_denied(status_update(old, deallocated(old)))
+
+
+@pytest.mark.parametrize("user", ["system:serviceaccount:scrubgate-system:scrubgate-agent", "root-admin"])
+def test_neither_the_agent_nor_an_admin_is_exempt(user):
+    old = allocated()
+    findings = status_update(old, deallocated(old), user, groups=("system:masters",))
+    assert_denied(findings, f"user {user!r}")
+
+
+def test_the_rules_action_applies_to_the_denial():
+    old = allocated()
+    warned = parse_policy({"attestationKeys": KEYS, "rules": {"SG007": {"action": "warn"}}})
+    assert [(f.rule, f.action, f.path) for f in status_update(old, deallocated(old), policy=warned)] == [
+        ("SG007", "warn", PATH)
+    ]
+
+
+# -- the attestation on the stored claim ----------------------------------------------------------------
+
+
+def test_a_valid_attestation_on_the_stored_claim_allows_the_deallocation():
+    old = allocated(annotations=attested())
+    assert status_update(old, deallocated(old)) == []
+
+
+def test_an_attestation_covering_both_allocated_devices_allows_the_deallocation():
+    old = allocated(devices=(DEVICE, OTHER_DEVICE), annotations=attested(devices=(DEVICE, OTHER_DEVICE)))
+    assert status_update(old, deallocated(old)) == []
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        (lambda: sign(payload(uid="uid-2"), KEY, KID), "claim UID 'uid-2', not this claim's 'uid-1'"),
+        (lambda: sign(payload(), Ed25519PrivateKey.generate(), KID), f"signature does not verify with key {KID!r}"),
+        (lambda: sign(payload(), KEY, "stranger"), "key id 'stranger' is not among the policy's attestation keys"),
+        (lambda: sign(payload(verified=False), KEY, KID), "not verified clean"),
+        (lambda: "not-a-jws", "not a compact JWS"),
+    ],
+    ids=["other-claim", "unknown-key", "unknown-kid", "dirty", "garbage"],
+)
+def test_an_attestation_that_does_not_hold_is_denied_saying_why(token, why):
+    old = allocated(annotations={names.ANNOTATION_ATTESTATION: token()})
+    assert_denied(status_update(old, deallocated(old)), "with an attestation that does not hold", why)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded-by-the-agent", "allocation-only"])
+def test_an_attestation_missing_one_of_two_allocated_devices_is_denied(recorded):
+    old = allocated(devices=(DEVICE, OTHER_DEVICE), annotations=attested(devices=(DEVICE,)), recorded=recorded)
+    assert_denied(status_update(old, deallocated(old)), "does not cover", "gpu.nvidia.com/node-a/gpu-1")
+
+
+def test_a_status_write_cannot_bring_its_own_attestation():
+    old = allocated()
+    new = deallocated(old)
+    new["metadata"]["annotations"].update(attested())
+    assert_denied(status_update(old, new), f"without a {names.ANNOTATION_ATTESTATION} annotation")
+    # ...nor replace a stored one that does not hold.
+    stale = allocated(annotations=attested(uid="uid-2"))
+    new = deallocated(stale)
+    new["metadata"]["annotations"].update(attested())
+    assert_denied(status_update(stale, new), "claim UID 'uid-2'")
+
+
+# -- exemptions -------------------------------------------------------------------------------------------
+
+
+def test_the_scheduler_undoes_its_own_allocation_without_attestation():
+    old = allocated()
+    assert status_update(old, deallocated(old), SCHEDULER, groups=("system:authenticated",)) == []
+
+
+def test_the_policy_names_the_scheduler():
+    custom = "system:serviceaccount:kube-system:gpu-scheduler"
+    policy = parse_policy({"attestationKeys": KEYS, "scheduler": {"identities": [custom]}})
+    old = allocated()
+    assert status_update(old, deallocated(old), custom, policy=policy) == []
+    assert_denied(status_update(old, deallocated(old), SCHEDULER, policy=policy), f"user {SCHEDULER!r}")
+
+
+def test_break_glass_on_the_stored_claim_allows_and_audits_the_deallocation():
+    old = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "node-a lost in a fire"})
+    findings = status_update(old, deallocated(old), "root-admin", groups=("system:masters",))
+    assert len(findings) == 1, findings
+    finding = findings[0]
+    assert (finding.rule, finding.action, finding.path) == ("SG007", "audit", PATH)
+    assert "break-glass deallocation by 'root-admin'" in finding.message
+    assert "node-a lost in a fire" in finding.message
+
+
+def test_break_glass_is_audited_whatever_the_rules_action():
+    old = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "node-a lost"})
+    for action in ("warn", "audit"):
+        policy = parse_policy({"rules": {"SG007": {"action": action}}})
+        assert [f.action for f in status_update(old, deallocated(old), policy=policy)] == ["audit"]
+
+
+def test_break_glass_counts_only_on_the_stored_claim_and_with_a_reason():
+    old = allocated()
+    new = deallocated(old)
+    new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "trust me"
+    assert_denied(status_update(old, new))
+    blank = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "   "})
+    assert_denied(status_update(blank, deallocated(blank)))
+
+
+# -- not this guard's business ----------------------------------------------------------------------------
+
+
+def test_a_non_gpu_claim_without_the_finalizer_is_not_guarded():
+    old = allocated(finalizers=(), device_class="fpga.example.com")
+    assert status_update(old, deallocated(old)) == []
+
+
+def test_allocating_is_not_guarded():
+    allocated_claim = allocated()
+    pending = copy.deepcopy(allocated_claim)
+    del pending["status"]
+    assert status_update(pending, allocated_claim) == []
+    empty_status = copy.deepcopy(allocated_claim)
+    empty_status["status"] = {}
+    assert status_update(empty_status, allocated_claim) == []
+
+
+def test_releasing_the_reservation_is_not_guarded():
+    old = allocated()
+    old["status"]["reservedFor"] = [{"resource": "pods", "name": "trainer", "uid": "pod-1"}]
+    new = copy.deepcopy(old)
+    new["status"]["reservedFor"] = []
+    assert status_update(old, new) == []
+
+
+def test_a_main_resource_update_is_not_a_deallocation():
+    # The API server keeps the stored status on a write to the main resource: what the object says there
+    # about status.allocation clears nothing.
+    old = allocated()
+    assert status_update(old, deallocated(old), subresource="") == []
+
+
+def test_sg007_off_turns_the_guard_off():
+    policy = parse_policy({"rules": {"SG007": {"action": "off"}}})
+    old = allocated()
+    assert status_update(old, deallocated(old), policy=policy) == []
+    glass = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "node-a lost"})
+    assert status_update(glass, deallocated(glass), policy=policy) == []
+
+
+def test_only_updates_of_a_claims_status_are_guarded():
+    old = allocated()
+    assert status_update(None, old, operation="CREATE") == []
+    assert status_update(old, None, operation="DELETE") == []
+    template = allocated()
+    template["kind"] = "ResourceClaimTemplate"
+    assert status_update(template, deallocated(template)) == []
+
+
+# -- configuration ----------------------------------------------------------------------------------------
+
+
+def test_scheduler_identities_default_and_parse():
+    assert load_policy().scheduler.identities == (SCHEDULER,)
+    assert parse_policy({}).scheduler.identities == (SCHEDULER,)
+    policy = parse_policy({"scheduler": {"identities": ["sched-a", "sched-b"]}})
+    assert policy.scheduler.identities == ("sched-a", "sched-b")
+    assert parse_policy({"scheduler": {"identities": []}}).scheduler.identities == ()
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "path", "reason"),
+    [
+        ({"users": ["x"]}, "scheduler.users", "Extra inputs are not permitted"),
+        ({"identities": "system:kube-scheduler"}, "scheduler.identities", "tuple"),
+        ({"identities": [["x"]]}, "scheduler.identities.0", "string"),
+        (["system:kube-scheduler"], "scheduler", ""),
+    ],
+)
+def test_bad_scheduler_settings_are_refused_with_the_field_path(scheduler, path, reason):
+    with pytest.raises(PolicyError) as err:
+        parse_policy({"scheduler": scheduler}, "team.yaml")
+    message = str(err.value)
+    assert message.startswith("team.yaml: invalid policy: ")
+    assert f"{path}: " in message and reason in message
