@@ -93,6 +93,9 @@ class Agent:
         self._slices_read = float("-inf")
         self._finished_pods: dict[str, float] = {}  # pod UID -> when seen terminal or deleted
         self._live_pods: set[str] = set()  # UIDs of this node's running pods, as of the last list and watch
+        # Claim UID -> (pod UIDs it was released by, when): a released claim stays allocated until the
+        # controller deallocates it after the attestation; a pod event meanwhile must not start it again.
+        self._released: dict[str, tuple[frozenset[str], float]] = {}
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
 
@@ -231,10 +234,10 @@ class Agent:
     def _sync_claims(self, claims: list[dict[str, Any]]) -> None:
         """Claims allocated devices of this node that no pod of it led the agent to: allocated and released
         while it was down. The webhook keeps such a claim allocated until its scrub is attested, so it is
-        here however late the agent looks; one whose scrub is attested already is done."""
+        here however late the agent looks."""
         for claim in claims:
             uid = (claim.get("metadata") or {}).get("uid")
-            if not uid or uid in self.store.teardowns or scrub_status(claim) == names.SCRUB_VERIFIED:
+            if not uid or uid in self.store.teardowns:
                 continue
             if not any(key in self._slices for key in allocated_devices(claim)):
                 continue
@@ -267,6 +270,9 @@ class Agent:
             return None
         if uid in self.store.teardowns:
             return self.store.teardowns[uid]
+        released = self._released.get(uid)
+        if released is not None and {pod for _, pod in pod_consumers(claim)} <= released[0]:
+            return None  # torn down for these pods already; a new pod on the claim starts a new teardown
         recorded = dict(recorded_devices(claim))
         keys = allocated_devices(claim)
         if not keys:
@@ -311,6 +317,8 @@ class Agent:
             self._note_ended_consumers(claim)
             reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason:
+            consumers = frozenset(pod for _, pod in pod_consumers(claim)) if claim else frozenset()
+            self._released[td.claim.uid] = (consumers, self.clock())
             self.engine.release(td, reason)
 
     def _check_releases(self) -> None:
@@ -329,6 +337,7 @@ class Agent:
         self._sync_claims(self.cluster.list_claims())
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
+        self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
 
     # ---------------------------------------------------------------- the loop
 

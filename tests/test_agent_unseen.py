@@ -4,10 +4,11 @@ list of claims at start and on resync; pods that ended unseen are asked for by n
 
 from __future__ import annotations
 
-from agent_support import NODE, make_node
+from agent_support import CANARY, NODE, make_node
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation
 from scrubgate.sanitizer_agent.checkpoint import State
+from scrubgate.sanitizer_agent.gpu import simulated
 
 
 def test_a_claim_allocated_and_released_while_the_agent_was_down_is_scrubbed_at_start(tmp_path):
@@ -71,17 +72,54 @@ def test_a_pod_replaced_under_the_same_name_counts_as_ended(tmp_path):
     assert node.violations.found == []
 
 
-def test_claims_of_other_nodes_and_attested_claims_are_left_alone(tmp_path):
+def test_claims_of_other_nodes_are_left_alone(tmp_path):
     node = make_node(tmp_path)
     node.cluster.add_claim("team-a", "elsewhere", [("gpu.nvidia.com", "gpu-node-2", "gpu-0")])
-    done = node.cluster.add_claim(
-        "team-a", "done", [node.key(0)], annotations={names.ANNOTATION_SCRUB_STATUS: names.SCRUB_VERIFIED}
-    )
     agent = node.agent()
     agent.start()
-    assert agent.store.teardowns == {}
-    assert not node.cluster.rules
-    assert done["metadata"]["uid"] not in agent.store.teardowns
+    assert agent.store.teardowns == {} and not node.cluster.rules
+    assert "patch_claim" not in node.cluster.calls
+
+
+def test_a_released_claim_awaiting_deallocation_is_not_torn_down_twice(tmp_path):
+    """The pod's end starts the teardown; its deletion arrives after the teardown is done, while the claim is
+    still allocated (the controller deallocates once the attestation is on it): nothing starts again. A new
+    pod on the same claim does start a new teardown."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(0) and agent.store.teardowns == {}
+    fences_created = node.cluster.calls.count("create_device_taint_rule")
+    agent.observe_pod("DELETED", node.cluster.delete_pod(pod["metadata"]["uid"]))
+    agent.resync()
+    assert agent.store.teardowns == {} and node.cluster.calls.count("create_device_taint_rule") == fences_created
+
+    again = node.cluster.add_pod("team-a", "job-again", NODE, ["job"])
+    agent.observe_pod("ADDED", again)
+    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED and node.fenced(0)
+
+
+def test_after_a_restart_an_attested_claim_still_allocated_is_scrubbed_again(tmp_path):
+    """A restarted agent cannot tell which pods an attestation on a still-allocated claim was for (the claim
+    may have been used again while it was down): it takes the safe side and tears it down once more."""
+    node = make_node(tmp_path)
+    _, pod = node.tenant("job", [0])
+    first = node.agent()
+    first.start()
+    first.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(first)
+    assert node.clean(0)
+    node.cluster.delete_pod(pod["metadata"]["uid"])
+    simulated.fill(node.root, node.gpus[0].uuid, CANARY)  # used again while the agent was down
+    second = node.agent()
+    second.start()
+    node.settle(second)
+    assert node.clean(0) and not node.cluster.rules
+    assert node.violations.found == []
 
 
 def test_a_pod_missing_from_a_new_list_is_asked_for(tmp_path):
