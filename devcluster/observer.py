@@ -67,9 +67,12 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
       no break-glass annotation on it (break-glass is allowed by design; it releases the object only);
     - the allocation of a claim that carried that finalizer cleared while no verified attestation covers
       its devices, and no break-glass annotation on it.
+
+    A claim deleted before it was ever allocated may lose the finalizer without an attestation.
     """
     violations: list[str] = []
     guarded: set[str] = set()  # claims that carried the finalizer
+    held: set[str] = set()  # claims that were allocated a device
     last: dict[str, dict[str, Any]] = {}
     clean: dict[str, set[tuple[str, str, str]]] = {}
     holders: dict[tuple[str, str, str], set[str]] = {}
@@ -111,7 +114,10 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
             violations.append(
                 f"rv {event.rv}: claim {_claim_name(claim)} deallocated while {devices} has no verified attestation"
             )
-        if had and not has and not break_glass:
+        if _allocated(claim):
+            held.add(uid)
+        # A claim deleted before it ever held a device owes no scrub: its finalizer may go unattested.
+        if had and not has and not break_glass and (uid in held or claimed_devices(claim)):
             required = claimed_devices(prev or {}) | claimed_devices(claim)
             try:
                 if not token:

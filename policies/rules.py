@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import names
-from .attestation import AttestationError, check_claim_attestation, claimed_devices
+from .attestation import AttestationError, check_claim_attestation, claimed_devices, deleted_before_allocation
 from .config import PolicyConfig
 from .findings import pointer
 from .model import (
@@ -273,6 +273,8 @@ def finalizer_guard(
     old_finalizers = as_list(metadata(old).get("finalizers"))
     new_finalizers = as_list(metadata(obj).get("finalizers"))
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
+        return violations, []
+    if deleted_before_allocation(old):
         return violations, []
     path = "/metadata/finalizers"
     reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()

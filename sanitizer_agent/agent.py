@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from scrubgate.policies import names
+from scrubgate.policies.attestation import deleted_before_allocation
 
 from . import nvidia, rescrub
 from .checkpoint import CheckpointStore, ClaimRef, State, Teardown
@@ -31,6 +32,7 @@ from .claims import (
     SliceDevice,
     allocated_devices,
     created_at,
+    finalizer_removal_ops,
     pod_claim_names,
     pod_consumers,
     pod_finished,
@@ -41,7 +43,7 @@ from .claims import (
 )
 from .fences import Fencer
 from .gpu import GpuBackend
-from .kube import ClusterClient, ClusterError, with_retries
+from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
 from .metrics import AgentMetrics
 from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, TransitionHook
 
@@ -239,11 +241,36 @@ class Agent:
             uid = (claim.get("metadata") or {}).get("uid")
             if not uid or uid in self.store.teardowns:
                 continue
+            if deleted_before_allocation(claim):
+                self._drop_finalizer(claim)
+                continue
             if not any(key in self._slices for key in allocated_devices(claim)):
                 continue
             td = self._track(claim)
             if td is not None:
                 self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+
+    def _drop_finalizer(self, claim: dict[str, Any]) -> None:
+        """A claim deleted before it ever held a device: nothing to scrub, and no agent will attest it, so its
+        finalizer goes (the webhook allows it). Every node's agent may try; the patch's tests let one win."""
+        meta = claim.get("metadata") or {}
+        ops = finalizer_removal_ops(claim, None)
+        if ops is None:
+            return
+        try:
+            self.cluster.patch_claim(meta.get("namespace") or "", meta.get("name") or "", ops)
+            log.info(
+                "claim %s/%s: deleted before it held a device; removed %s",
+                meta.get("namespace"),
+                meta.get("name"),
+                names.FINALIZER,
+            )
+        except (Conflict, NotFound):
+            pass  # another node's agent was first, or it changed: the next resync looks again
+        except ClusterError as exc:
+            log.warning(
+                "claim %s/%s: cannot remove %s: %s", meta.get("namespace"), meta.get("name"), names.FINALIZER, exc
+            )
 
     def _note_ended_consumers(self, claim: dict[str, Any]) -> None:
         """Pods the claim is reserved for that the agent has neither seen running nor ending (they ended

@@ -167,17 +167,21 @@ def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[
     return ops
 
 
-def finalizer_removal_ops(claim: dict[str, Any], attestation: str) -> list[dict[str, Any]] | None:
+def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> list[dict[str, Any]] | None:
     """JSON patch removing `scrubgate.dev/sanitize`, failing if the claim changed since it was read (UID,
-    resourceVersion, finalizers, or the attestation it carries); None when the finalizer is not there."""
+    resourceVersion, finalizers, or the attestation it carries, unless None: a claim that never held a
+    device); None when the finalizer is not there."""
     meta = _meta(claim)
     finalizers = _list(meta.get("finalizers"))
     if names.FINALIZER not in finalizers:
         return None
+    attested = [
+        {"op": "test", "path": f"/metadata/annotations/{_escape(names.ANNOTATION_ATTESTATION)}", "value": attestation}
+    ]
     return [
         {"op": "test", "path": "/metadata/uid", "value": meta.get("uid")},
         {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
-        {"op": "test", "path": f"/metadata/annotations/{_escape(names.ANNOTATION_ATTESTATION)}", "value": attestation},
+        *(attested if attestation is not None else []),
         {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
         {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != names.FINALIZER]},
     ]

@@ -12,7 +12,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
-from scrubgate.policies.attestation import AttestationError, check_claim_attestation
+from scrubgate.policies.attestation import AttestationError, check_claim_attestation, deleted_before_allocation
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
@@ -297,7 +297,8 @@ def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
             namespace, name, ops = args
             removes = any(op["path"] == "/metadata/finalizers" and op["op"] == "replace" for op in ops)
             claim = node.cluster.claims.get((namespace, name))
-            if removes and claim is not None:
+            # A claim deleted before it held a device owes no scrub (the webhook lets its finalizer go).
+            if removes and claim is not None and not deleted_before_allocation(claim):
                 token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION, "")
                 try:
                     check_claim_attestation(token, claim, node.signer.public_keys)

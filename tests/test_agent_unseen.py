@@ -136,3 +136,18 @@ def test_a_pod_missing_from_a_new_list_is_asked_for(tmp_path):
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules
     assert node.violations.found == []
+
+
+def test_a_claim_deleted_before_it_held_a_device_loses_the_finalizer(tmp_path):
+    node = make_node(tmp_path)
+    node.cluster.add_claim("team-a", "never", [])
+    node.cluster.claims[("team-a", "never")]["status"] = {}
+    node.cluster.add_claim("team-a", "held", [node.key(0)])
+    node.cluster.delete_claim("team-a", "never")
+    node.cluster.delete_claim("team-a", "held")
+    agent = node.agent()
+    agent.start()
+    assert ("team-a", "never") not in node.cluster.claims, "its finalizer was the last: it is gone"
+    assert node.violations.found == []
+    node.settle(agent)
+    assert ("team-a", "held") not in node.cluster.claims and node.clean(0), "only after its scrub"

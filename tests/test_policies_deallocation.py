@@ -296,3 +296,27 @@ def test_bad_scheduler_settings_are_refused_with_the_field_path(scheduler, path,
     message = str(err.value)
     assert message.startswith("team.yaml: invalid policy: ")
     assert f"{path}: " in message and reason in message
+
+
+# -- a claim deleted before it ever held a device ------------------------------------------------------
+
+
+def _deleted(claim: dict[str, Any]) -> dict[str, Any]:
+    claim = copy.deepcopy(claim)
+    claim["metadata"]["deletionTimestamp"] = "2026-12-02T00:00:00Z"
+    return claim
+
+
+def _finalizer_removed(old: dict[str, Any], user: str = "alice") -> list[Finding]:
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = []
+    return status_update(old, new, user, subresource="")
+
+
+def test_the_finalizer_of_a_claim_deleted_before_any_allocation_may_go_unattested() -> None:
+    never = deallocated(allocated(recorded=False))
+    assert _finalizer_removed(_deleted(never)) == []
+    # Not while it still exists, nor once it held a device (allocated now, or on the agent's record).
+    assert [f.rule for f in _finalizer_removed(never)] == ["SG007"]
+    assert [f.rule for f in _finalizer_removed(_deleted(allocated(recorded=False)))] == ["SG007"]
+    assert [f.rule for f in _finalizer_removed(_deleted(deallocated(allocated())))] == ["SG007"]
