@@ -52,14 +52,17 @@ def build_payload(
     started_at: datetime,
     finished_at: datetime,
     health: Mapping[str, Any],
+    consumers: Iterable[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """The payload of DESIGN.md; `devices` are dicts with driver, pool, device, uuid, bytesScrubbed,
-    bytesTotal, method and verified."""
+    bytesTotal, method and verified. `consumers` are the (name, UID) of the pods the claim was reserved for
+    when it was released: the scrub is for what they left, not for a later pod on the same claim."""
     return {
         "v": PAYLOAD_VERSION,
         "claim": {"namespace": namespace, "name": name, "uid": uid},
         "node": node,
         "devices": [dict(d) for d in devices],
+        "consumers": [{"name": name, "uid": uid} for name, uid in consumers],
         "startedAt": rfc3339(started_at),
         "finishedAt": rfc3339(finished_at),
         "health": dict(health),
@@ -152,6 +155,17 @@ def claimed_devices(claim: Mapping[str, Any]) -> set[tuple[str, str, str]]:
     return found
 
 
+def reserved_pods(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(name, UID) of the pods the claim is reserved for (`status.reservedFor`)."""
+    found = []
+    for entry in as_list(as_dict(claim.get("status")).get("reservedFor")):
+        ref = as_dict(entry)
+        name, uid = ref.get("name"), ref.get("uid")
+        if ref.get("resource") == "pods" and not ref.get("apiGroup") and isinstance(name, str) and isinstance(uid, str):
+            found.append((name, uid))
+    return found
+
+
 def deleted_before_allocation(claim: Mapping[str, Any]) -> bool:
     """A claim being deleted that holds no device and has no record of one: there is nothing to scrub, so its
     finalizer may go without an attestation (no agent would ever attest it). SG007 keeps a claim that held a
@@ -191,4 +205,9 @@ def check_claim_attestation(
     missing = sorted("/".join(k) for k in required - clean)
     if missing:
         raise AttestationError(f"attestation does not cover the claim's devices: {', '.join(missing)}")
+    # A pod that used the claim after the attested scrub (a named claim used again) left data it does not cover.
+    attested_pods = {as_dict(c).get("uid") for c in as_list(payload.get("consumers"))}
+    later = sorted(f"{name} ({uid})" for name, uid in reserved_pods(claim) if uid not in attested_pods)
+    if later:
+        raise AttestationError(f"attestation predates the claim's use by pod(s) {', '.join(later)}")
     return payload

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import deleted_before_allocation
+from scrubgate.policies.attestation import deleted_before_allocation, reserved_pods
 
 from . import nvidia, rescrub
 from .checkpoint import CheckpointStore, ClaimRef, State, Teardown
@@ -34,7 +34,6 @@ from .claims import (
     created_at,
     finalizer_removal_ops,
     pod_claim_names,
-    pod_consumers,
     pod_finished,
     recorded_devices,
     release_reason,
@@ -276,7 +275,7 @@ class Agent:
         """Pods the claim is reserved for that the agent has neither seen running nor ending (they ended
         while it was down, or were bound since its last list): asks the API which have ended."""
         namespace = (claim.get("metadata") or {}).get("namespace") or ""
-        for name, uid in pod_consumers(claim):
+        for name, uid in reserved_pods(claim):
             if uid in self._finished_pods or uid in self._live_pods:
                 continue
             pod = self.cluster.get_pod(namespace, name)
@@ -298,7 +297,7 @@ class Agent:
         if uid in self.store.teardowns:
             return self.store.teardowns[uid]
         released = self._released.get(uid)
-        if released is not None and {pod for _, pod in pod_consumers(claim)} <= released[0]:
+        if released is not None and {pod for _, pod in reserved_pods(claim)} <= released[0]:
             return None  # torn down for these pods already; a new pod on the claim starts a new teardown
         recorded = dict(recorded_devices(claim))
         keys = allocated_devices(claim)
@@ -344,9 +343,9 @@ class Agent:
             self._note_ended_consumers(claim)
             reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason:
-            consumers = frozenset(pod for _, pod in pod_consumers(claim)) if claim else frozenset()
-            self._released[td.claim.uid] = (consumers, self.clock())
-            self.engine.release(td, reason)
+            consumers = reserved_pods(claim) if claim else []
+            self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
+            self.engine.release(td, reason, consumers)
 
     def _check_releases(self) -> None:
         for td in list(self.store.teardowns.values()):

@@ -108,6 +108,7 @@ class Teardown(_Model):
     allocated_at: float  # unix time of first sight; health is checked since then
     released_at: float | None = None
     release_reason: str | None = None
+    consumers: list[tuple[str, str]] = []  # (name, UID) of the pods the claim was reserved for at release
     drain_deadline: float | None = None
     scrub_started_at: float | None = None
     scrub_finished_at: float | None = None

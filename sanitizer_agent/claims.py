@@ -113,20 +113,6 @@ def scrub_status(claim: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def pod_consumers(claim: dict[str, Any]) -> list[tuple[str, str]]:
-    """(name, UID) of the pods the claim is reserved for."""
-    consumers = [_dict(c) for c in _list(_dict(claim.get("status")).get("reservedFor"))]
-    return [
-        (c["name"], c["uid"])
-        for c in consumers
-        if c.get("resource") == "pods"
-        and not c.get("apiGroup")
-        and isinstance(c.get("name"), str)
-        and isinstance(c.get("uid"), str)
-        and c["uid"]
-    ]
-
-
 def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Container[str]) -> str | None:
     """Why the claim no longer holds its devices, or None while it does.
 

@@ -212,11 +212,15 @@ class TeardownEngine:
         self._fenced.pop(td.claim.uid, None)
         self.ensure_fenced(td)
 
-    def release(self, td: Teardown, reason: str) -> None:
+    def release(self, td: Teardown, reason: str, consumers: list[tuple[str, str]] | None = None) -> None:
+        """The claim no longer holds its devices; `consumers` are the pods it was reserved for (the attestation
+        names them: its scrub is for what they left)."""
         if td.state != State.ALLOCATED:
             return
         log.info("claim %s released (%s); tearing down %s", td.claim, reason, ", ".join(d.key for d in td.devices))
-        self._transition(td, State.RELEASED, released_at=self.clock(), release_reason=reason)
+        self._transition(
+            td, State.RELEASED, released_at=self.clock(), release_reason=reason, consumers=list(consumers or [])
+        )
         self.advance(td)
 
     def rescrub(self, td: Teardown) -> bool:
@@ -469,6 +473,7 @@ class TeardownEngine:
             started_at=_when(td.scrub_started_at),
             finished_at=_when(td.scrub_finished_at),
             health=td.health or {},
+            consumers=td.consumers,
         )
         return State.ATTESTED, {"attestation": self.signer.sign(payload)}
 

@@ -151,3 +151,19 @@ def test_a_claim_deleted_before_it_held_a_device_loses_the_finalizer(tmp_path):
     assert node.violations.found == []
     node.settle(agent)
     assert ("team-a", "held") not in node.cluster.claims and node.clean(0), "only after its scrub"
+
+
+def test_the_attestation_names_the_pods_the_claim_was_released_by(tmp_path):
+    """So that it does not cover a later use of the same claim (see the deallocation guard)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    claim = node.cluster.claims[("team-a", "job")]
+    payload = check_claim_attestation(
+        claim["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], claim, node.signer.public_keys
+    )
+    assert payload["consumers"] == [{"name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}]

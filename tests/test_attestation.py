@@ -48,7 +48,7 @@ def keys(key):
     return {KID: load_public_key(public_key_pem(key))}
 
 
-def payload(uid="uid-1", devices=(DEVICE,), verified=True) -> dict:
+def payload(uid="uid-1", devices=(DEVICE,), verified=True, consumers=()) -> dict:
     start = datetime(2025, 6, 1, 14, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
     return build_payload(
         namespace="team-a",
@@ -62,6 +62,7 @@ def payload(uid="uid-1", devices=(DEVICE,), verified=True) -> dict:
         started_at=start,
         finished_at=start + timedelta(seconds=42),
         health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
+        consumers=consumers,
     )
 
 
@@ -89,7 +90,9 @@ def test_token_is_a_compact_jws_with_the_design_header(key, keys):
 
 def test_payload_has_the_design_shape():
     p = payload()
-    assert set(p) == {"v", "claim", "node", "devices", "startedAt", "finishedAt", "health"}
+    # DESIGN's fields, and the pods the claim was released by (empty here).
+    assert set(p) == {"v", "claim", "node", "devices", "consumers", "startedAt", "finishedAt", "health"}
+    assert p["consumers"] == []
     assert p["v"] == 1 and p["claim"] == {"namespace": "team-a", "name": "c", "uid": "uid-1"}
     assert p["startedAt"] == "2025-06-01T12:00:00.123Z"
     assert p["finishedAt"] == "2025-06-01T12:00:42.123Z"
@@ -244,3 +247,16 @@ def test_private_key_round_trip_and_wrong_key_types(key):
     )
     with pytest.raises(ValueError, match="not an Ed25519 key"):
         load_public_key(ec_public)
+
+
+def test_an_attestation_covers_only_the_pods_the_claim_was_released_by(key, keys):
+    """A claim used again (by a pod the scrub did not follow) is not covered by its earlier attestation."""
+    used = claim()
+    used["status"]["reservedFor"] = [{"resource": "pods", "name": "p1", "uid": "pod-1"}]
+    token = sign(payload(consumers=[("p1", "pod-1")]), key, KID)
+    assert check_claim_attestation(token, used, keys)["consumers"] == [{"name": "p1", "uid": "pod-1"}]
+    used["status"]["reservedFor"].append({"resource": "pods", "name": "p2", "uid": "pod-2"})
+    with pytest.raises(AttestationError, match=r"predates the claim's use by pod\(s\) p2 \(pod-2\)"):
+        check_claim_attestation(token, used, keys)
+    with pytest.raises(AttestationError, match="predates"):
+        check_claim_attestation(sign(payload(), key, KID), used, keys)

@@ -35,7 +35,7 @@ from e2e_support import (
 )
 from kubernetes import client as k8s
 from scrubgate.policies import names
-from scrubgate.policies.attestation import build_payload, check_claim_attestation, load_private_key, sign
+from scrubgate.policies.attestation import build_payload, check_claim_attestation, load_private_key, reserved_pods, sign
 
 from devcluster import auth, workloads
 from devcluster.harness import Cluster, wait_for
@@ -197,7 +197,7 @@ def attestation_for(
     devices: list[tuple[str, str, str]] | None = None,
 ) -> str:
     """An attestation in the agent's exact format for ``claim``: its UID, node, ``devices`` (default: all
-    it holds) each scrubbed and verified, signed with ``key`` under ``kid``."""
+    it holds) each scrubbed and verified, the pods it is reserved for, signed with ``key`` under ``kid``."""
     meta = claim["metadata"]
     now = datetime.now(UTC)
     payload = build_payload(
@@ -221,6 +221,7 @@ def attestation_for(
         started_at=now,
         finished_at=now,
         health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
+        consumers=reserved_pods(claim),
     )
     return sign(payload, key, kid)
 

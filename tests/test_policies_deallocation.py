@@ -320,3 +320,14 @@ def test_the_finalizer_of_a_claim_deleted_before_any_allocation_may_go_unatteste
     assert [f.rule for f in _finalizer_removed(never)] == ["SG007"]
     assert [f.rule for f in _finalizer_removed(_deleted(allocated(recorded=False)))] == ["SG007"]
     assert [f.rule for f in _finalizer_removed(_deleted(deallocated(allocated())))] == ["SG007"]
+
+
+def test_an_attestation_does_not_cover_a_later_use_of_the_claim() -> None:
+    """A named claim used again by another pod after its attested scrub: that pod's data is not covered."""
+    first = ("p1", "pod-1")
+    old = allocated(annotations=attested(consumers=[first]))
+    old["status"]["reservedFor"] = [{"resource": "pods", "name": "p1", "uid": "pod-1"}]
+    assert status_update(old, deallocated(old), "resource-claim-controller") == []
+    old["status"]["reservedFor"] = [{"resource": "pods", "name": "p2", "uid": "pod-2"}]
+    (finding,) = status_update(old, deallocated(old), "resource-claim-controller")
+    assert finding.rule == "SG007" and "predates the claim's use by pod(s) p2 (pod-2)" in finding.message
