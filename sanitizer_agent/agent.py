@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 FINISHED_POD_MEMORY_S = 3600.0
 SLICE_REFRESH_S = 5.0
+RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
 
 
 @dataclass(frozen=True)
@@ -387,6 +388,8 @@ class Agent:
                 due.append(self.settings.drain_poll_s)
             elif td.state == State.FAILED and td.retry_at is not None:
                 due.append(td.retry_at - now)
+            elif td.state == State.FAILED and self.settings.rescrub_dir is not None:
+                due.append(RESCRUB_POLL_S)  # waiting for an operator: pick up `agent rescrub` promptly
         return max(min(due), 0.0)
 
     def _guarded(self, td: Teardown, action: Callable[[], object]) -> None:

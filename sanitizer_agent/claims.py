@@ -236,19 +236,31 @@ def overlapping(key: DeviceKey, slices: Mapping[DeviceKey, SliceDevice]) -> list
 # ---------------------------------------------------------------- events
 
 
-def warning_event(
-    *, node: str, namespace: str, involved: dict[str, Any], reason: str, message: str, now: float
+def node_event(
+    *,
+    node: str,
+    namespace: str,
+    involved: dict[str, Any],
+    reason: str,
+    message: str,
+    now: float,
+    kind: str = "Warning",
+    annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A core/v1 Warning Event about `involved` (a claim, or the Node when the claim is gone)."""
+    """A core/v1 Event of `kind` (Warning or Normal) about `involved` (a claim, or the Node when the claim is
+    gone), from this node's agent."""
     stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # metav1.Time: whole seconds
+    metadata: dict[str, Any] = {"generateName": "scrubgate-agent-", "namespace": namespace}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": "scrubgate-agent-", "namespace": namespace},
+        "metadata": metadata,
         "involvedObject": involved,
         "reason": reason,
         "message": message[:1024],
-        "type": "Warning",
+        "type": kind,
         "source": {"component": "scrubgate-agent", "host": node},
         "reportingComponent": "scrubgate.dev/agent",
         "reportingInstance": node,

@@ -41,8 +41,8 @@ from .claims import (
     devices_annotation,
     finalizer_removal_ops,
     key_str,
+    node_event,
     overlapping,
-    warning_event,
 )
 from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend, GpuError, HealthSnapshot
@@ -353,8 +353,18 @@ class TeardownEngine:
     def _devices_annotation(self, td: Teardown) -> str:
         return devices_annotation(((d.driver, d.pool, d.device), d.uuid) for d in td.devices)
 
-    def _event(self, td: Teardown, reason: str, message: str) -> None:
-        if td.claim.name:
+    def _event(
+        self,
+        td: Teardown,
+        reason: str,
+        message: str,
+        *,
+        kind: str = "Warning",
+        annotations: dict[str, str] | None = None,
+        on_node: bool = False,
+    ) -> None:
+        """An Event about the claim, or about the Node when the claim has no name or `on_node`."""
+        if td.claim.name and not on_node:
             namespace = td.claim.namespace
             involved = {
                 "apiVersion": f"{names.RESOURCE_GROUP}/v1",
@@ -366,8 +376,15 @@ class TeardownEngine:
         else:
             namespace, involved = "default", {"apiVersion": "v1", "kind": "Node", "name": self.node}
         try:
-            event = warning_event(
-                node=self.node, namespace=namespace, involved=involved, reason=reason, message=message, now=self.clock()
+            event = node_event(
+                node=self.node,
+                namespace=namespace,
+                involved=involved,
+                reason=reason,
+                message=message,
+                now=self.clock(),
+                kind=kind,
+                annotations=annotations,
             )
             self.cluster.create_event(namespace, event)
         except ClusterError as exc:
@@ -528,12 +545,28 @@ class TeardownEngine:
             return State.DRAINING, self._drain_fields()
         return None
 
+    def _keep_orphan_attestation(self, td: Teardown) -> None:
+        """The claim went before its attestation could land on it (break-glass): the attestation goes into
+        an Event on the Node instead, so that the scrub of its devices stays on record."""
+        devices = ", ".join(f"{d.key} ({d.uuid})" for d in td.devices)
+        self._event(
+            td,
+            "ScrubAttested",
+            f"claim {td.claim} was deleted before its teardown ended (break-glass?); {devices} verified clean on "
+            f"node {self.node}; the signed attestation is in this Event's annotation {names.ANNOTATION_ATTESTATION}",
+            kind="Normal",
+            annotations={names.ANNOTATION_ATTESTATION: td.attestation or ""},
+            on_node=True,
+        )
+        log.info("claim %s: gone before its attestation landed; recorded it in an Event: %s", td.claim, td.attestation)
+
     def _remove_finalizer(self, td: Teardown) -> None:
         if not td.claim.name or not td.attestation:
             return
         for _ in range(CONFLICT_RETRIES):
             claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
             if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
+                self._keep_orphan_attestation(td)
                 return
             annotations = (claim.get("metadata") or {}).get("annotations") or {}
             if annotations.get(names.ANNOTATION_ATTESTATION) != td.attestation:

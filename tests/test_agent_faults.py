@@ -10,6 +10,7 @@ import pytest
 from agent_support import claim_annotations, make_node
 from scrubgate.policies import names
 from scrubgate.sanitizer_agent import cli
+from scrubgate.sanitizer_agent.agent import RESCRUB_POLL_S
 from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.kube import ClusterError, NotFound, with_retries
@@ -79,6 +80,7 @@ def test_failure_is_retried_with_backoff_then_held_for_an_operator(tmp_path):
     agent.tick()
     assert td.attempts == 2 and node.fenced(0)
     assert len(node.cluster.events) == 2 and "rescrub --device" in node.cluster.events[1]["message"]
+    assert agent.tick() == RESCRUB_POLL_S < agent.settings.resync_s, "an operator's request is looked for soon"
 
     simulated.clear_faults(node.root)
     assert cli.run(_args(["rescrub", "--device", node.gpus[0].uuid, "--checkpoint", str(node.checkpoint)])) == 0

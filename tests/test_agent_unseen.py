@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from agent_support import CANARY, NODE, make_node
 from scrubgate.policies import names
-from scrubgate.policies.attestation import check_claim_attestation
+from scrubgate.policies.attestation import check_claim_attestation, verify
 from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import simulated
 
@@ -167,3 +167,21 @@ def test_the_attestation_names_the_pods_the_claim_was_released_by(tmp_path):
         claim["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], claim, node.signer.public_keys
     )
     assert payload["consumers"] == [{"name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}]
+
+
+def test_an_attestation_with_no_claim_left_is_kept_in_an_event_on_the_node(tmp_path):
+    """Break-glass: an admin let the claim go while the agent was away; the agent still scrubs its device, and
+    the attestation it signs goes into a Normal Event on the Node."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    del node.cluster.claims[("team-a", "job")]  # finalizer removed by break-glass, claim deleted
+    agent.observe_pod("DELETED", node.cluster.delete_pod(pod["metadata"]["uid"]))
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    (event,) = [e for e in node.cluster.events if e["reason"] == "ScrubAttested"]
+    assert event["type"] == "Normal" and event["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": NODE}
+    payload = verify(event["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], node.signer.public_keys)
+    assert payload["claim"]["uid"] == claim["metadata"]["uid"] and payload["devices"][0]["verified"] is True

@@ -35,7 +35,14 @@ from e2e_support import (
 )
 from kubernetes import client as k8s
 from scrubgate.policies import names
-from scrubgate.policies.attestation import build_payload, check_claim_attestation, load_private_key, reserved_pods, sign
+from scrubgate.policies.attestation import (
+    build_payload,
+    check_claim_attestation,
+    load_private_key,
+    reserved_pods,
+    sign,
+    verify,
+)
 
 from devcluster import auth, workloads
 from devcluster.harness import Cluster, wait_for
@@ -654,6 +661,17 @@ def test_break_glass_releases_the_claim_object_only(
 
         # An admin breaks glass: allowed, and audited.
         book.allowed(lambda: patch(cluster, "admin", released, reason, "merge"))
+        # Break-glass lets the controller deallocate; let it, so that the strip below races no other writer
+        # (a conflict makes the API server run admission, and audit, once more).
+        wait_for(
+            lambda: (
+                (c := cluster.claim(ns, name)) is not None
+                and not (c.get("status") or {}).get("allocation")
+                and names.DELETE_PROTECTION_FINALIZER not in c["metadata"]["finalizers"]
+            ),
+            WAIT_S,
+            f"claim {ns}/{name} deallocated and released by the controller after break-glass",
+        )
         glass = current(cluster, released)
         book.allowed(
             lambda: patch(cluster, "admin", glass, stripping(glass)),
@@ -681,6 +699,15 @@ def test_break_glass_releases_the_claim_object_only(
     assert broken is not None and lifted is not None and reused is not None
     assert broken < lifted < reused, (broken, lifted, reused)
     book.break_glass.append((uid, next_claim["metadata"]["uid"]))
+    # With no claim left to land on, the agent's attestation of that scrub is in an Event on the node.
+    events = cluster.request("GET", "/api/v1/namespaces/default/events")["items"]
+    tokens = [
+        e["metadata"]["annotations"][names.ANNOTATION_ATTESTATION] for e in events if e["reason"] == "ScrubAttested"
+    ]
+    payloads = [verify(token, cluster.public_keys) for token in tokens]
+    assert [(p["claim"]["uid"], p["devices"][0]["device"], p["devices"][0]["verified"]) for p in payloads] == [
+        (uid, device[2], True)
+    ]
 
     release(cluster, "bob", next_ns, "next", next_claim)
 
@@ -742,9 +769,10 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
     assert result.returncode == 0, f"scrubgate audit verify: {result.stdout}{result.stderr}"
 
     # No dirty allocation, no unattested finalizer removal. The observer exempts break-glass removals, but
-    # it cannot see that a break-glass claim's device was scrubbed (the agent's attestation has no claim
-    # left to go on), so it reports that device's next allocation; the break-glass test checked that one
-    # itself: fence lifted only after the agent came back, then reallocated, no canary found.
+    # it watches claims only and cannot see that a break-glass claim's device was scrubbed (the agent's
+    # attestation went into an Event on the node), so it reports that device's next allocation; the
+    # break-glass test checked that one itself: fence lifted only after the agent came back, attested in
+    # the Event, then reallocated, no canary found.
     violations = cluster.observer.violations(cluster.public_keys)
     unexplained = [
         v
