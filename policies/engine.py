@@ -13,7 +13,7 @@ from typing import Any, Literal
 from . import rules
 from .config import PolicyConfig
 from .findings import Finding, pointer
-from .model import as_dict, as_str, is_claim, is_known, kind_of, metadata, pod_claims, pod_spec
+from .model import as_dict, as_str, fence_key, is_claim, is_known, kind_of, metadata, pod_claims, pod_spec
 from .rules import Violation
 
 Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
@@ -60,11 +60,18 @@ def validate(
     relabelled) would otherwise block every later write to it, the agent's attested release included."""
     if admission is not None and admission.operation == "DELETE":
         old = admission.old_object
-        if not isinstance(old, dict) or kind_of(old) != ("v1", "Pod") or not _enabled(policy, "SG008"):
+        if not isinstance(old, dict):
+            return []
+        if kind_of(old) != ("v1", "Pod"):
+            return _fence_findings(None, old, policy, admission)
+        if not _enabled(policy, "SG008"):
             return []
         return _findings(policy, "SG008", rules.force_delete(old, admission.options, admission.groups, policy))
     if not isinstance(obj, dict) or not is_known(obj):
-        return []
+        # Of the kinds the rules do not read, one is guarded: scrubgate's own fence.
+        if admission is None or admission.operation != "UPDATE" or not isinstance(admission.old_object, dict):
+            return []
+        return _fence_findings(obj if isinstance(obj, dict) else {}, admission.old_object, policy, admission)
     if admission is not None and admission.subresource == "status":
         # Only the status changes (the API server keeps spec and metadata): the deallocation guard.
         old = admission.old_object
@@ -89,9 +96,18 @@ def validate(
     return found
 
 
+def _fence_findings(
+    obj: dict[str, Any] | None, old: dict[str, Any], policy: PolicyConfig, admission: Admission
+) -> list[Finding]:
+    """SG007 on a DELETE (`obj` None) or UPDATE of a DeviceTaintRule that is one of scrubgate's fences."""
+    if not fence_key(old) or not _enabled(policy, "SG007"):
+        return []
+    return _guarded(policy, rules.fence_guard(obj, old, admission.username, admission.groups, policy))
+
+
 def _guarded(policy: PolicyConfig, result: tuple[list[Violation], list[Violation]]) -> list[Finding]:
-    """SG007's findings from a guard's (violations, break-glass uses): break-glass is allowed, and always
-    recorded, whatever the rule's action."""
+    """SG007's findings from a guard's (violations, break-glass uses): break-glass, and an admin lifting a
+    fence, is allowed, and always recorded, whatever the rule's action."""
     violations, break_glass = result
     return _findings(policy, "SG007", violations) + [
         Finding("SG007", "audit", message, path) for message, path, _ in break_glass

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import names
 from .findings import pointer
 
 RESOURCE_API_VERSIONS = frozenset(
@@ -70,6 +71,17 @@ def is_pod_carrier(obj: dict[str, Any]) -> bool:
 def is_known(obj: Any) -> bool:
     """A kind and version the rules read; everything else is passed over."""
     return isinstance(obj, dict) and (is_claim(obj) or is_pod_carrier(obj))
+
+
+def fence_key(obj: dict[str, Any]) -> str:
+    """The `scrubgate.dev/` taint key a DeviceTaintRule puts on devices: scrubgate's fence. "" for any other
+    object, or a rule with another key. DeviceTaintRule is served in v1, v1beta2 and v1alpha3; any
+    resource.k8s.io version counts, so that no version can slip past the guard."""
+    api_version, kind = kind_of(obj)
+    if kind != "DeviceTaintRule" or api_version not in RESOURCE_API_VERSIONS:
+        return ""
+    key = as_str(as_dict(as_dict(obj.get("spec")).get("taint")).get("key"))
+    return key if key.startswith(names.DOMAIN + "/") else ""
 
 
 @dataclass(frozen=True, slots=True)

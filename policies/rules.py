@@ -21,6 +21,7 @@ from .model import (
     as_list,
     as_str,
     device_requests,
+    fence_key,
     metadata,
     pod_claims,
 )
@@ -336,6 +337,38 @@ def deallocation_guard(
             f"user {username!r} cleared the allocation {problem}: its devices may still hold the last tenant's "
             f"data. The scrubgate node agent attests their scrub, then the deallocation is retried and "
             f"allowed; if it does not, check the agent on the node (`scrubgate agent status`)",
+            path,
+            (),
+        )
+    ], []
+
+
+def fence_guard(
+    obj: dict[str, Any] | None, old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+) -> tuple[list[Violation], list[Violation]]:
+    """SG007 on a DELETE (`obj` None) or UPDATE of one of scrubgate's fences, a DeviceTaintRule with a
+    scrubgate.dev/ taint: lifting it, or pointing it at another device, hands a device that may still hold
+    a tenant's data to the scheduler. Only the agent does that, after a verified scrub; an admin may, and
+    is recorded. An UPDATE that leaves spec as it was (labels, annotations) moves no fence; creating a
+    fence only fences more, so CREATE is not guarded. Returns (violations, admin lifts to audit)."""
+    if obj is not None and obj.get("spec") == old.get("spec"):
+        return [], []
+    is_agent, is_admin = _roles(username, groups, policy)
+    if is_agent:
+        return [], []
+    spec = as_dict(old.get("spec"))
+    selector = as_dict(spec.get("deviceSelector"))
+    device = "/".join(as_str(selector.get(field)) or "*" for field in ("driver", "pool", "device"))
+    what = "deleted" if obj is None else "changed the spec of"
+    rule = f"DeviceTaintRule {as_str(metadata(old).get('name'))!r}, scrubgate's fence ({fence_key(old)}) on {device}"
+    path = "/spec"
+    if is_admin:
+        return [], [(f"admin {username!r} {what} {rule}; the device is not attested clean", path, ())]
+    return [
+        (
+            f"user {username!r} {what} {rule}: only the scrubgate node agent lifts or changes its fences, after "
+            f"a verified scrub, since the device may still hold a tenant's data; members of the policy's admin "
+            f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may, and are audited",
             path,
             (),
         )

@@ -73,11 +73,13 @@ RULES: dict[str, RuleMeta] = {
             "finalizer-guard",
             "deny",
             "removal of the sanitize finalizer, deallocation of a GPU claim or change of scrubgate annotations "
-            "without a valid attestation",
+            "without a valid attestation, or deletion or change of scrubgate's fence (DeviceTaintRule)",
             "Only the scrubgate node agent removes scrubgate.dev/sanitize and writes scrubgate.dev/ annotations, "
             "with a signed attestation of a verified scrub, and a GPU claim's allocation is cleared only once "
             "that attestation is on the claim; for a lost node, an admin sets scrubgate.dev/break-glass with a "
-            "reason first.",
+            "reason first. Only the agent, after that scrub, deletes or changes the spec of a DeviceTaintRule "
+            "with a scrubgate.dev/ taint (the fence that keeps the device from the next claim); an admin may, "
+            "and is audited.",
         ),
         RuleMeta(
             "SG008",

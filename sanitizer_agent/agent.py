@@ -61,6 +61,9 @@ class AgentSettings:
     rescrub_dir: Path | None = None
     drain_poll_s: float = 0.05
     resync_s: float = 30.0
+    # Lists of every claim in the cluster, at start and then this often: they find claims whose pods the
+    # agent never saw (its watch broke while one came and went); costly in a big cluster, hence rarer.
+    claim_resync_s: float = 600.0
     watch_timeout_s: int = 300
     api_backoff_s: float = 1.0
     api_backoff_max_s: float = 60.0
@@ -100,6 +103,7 @@ class Agent:
         self._released: dict[str, tuple[frozenset[str], float]] = {}
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
+        self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
 
     @property
     def engine(self) -> TeardownEngine:
@@ -140,6 +144,7 @@ class Agent:
         pods, _ = with_retries(f"list pods on {self.node}", lambda: self.cluster.list_node_pods(self.node))
         self._observe_list(pods)
         self._sync_claims(with_retries("list resourceclaims", self.cluster.list_claims))
+        self._claims_listed = time.monotonic()
         self._check_releases()
 
     def _refresh_slices(self) -> None:
@@ -361,7 +366,9 @@ class Agent:
         pods, _ = self.cluster.list_node_pods(self.node)
         if self._observe_list(pods):
             self._check_releases()
-        self._sync_claims(self.cluster.list_claims())
+        if time.monotonic() - self._claims_listed >= self.settings.claim_resync_s:
+            self._sync_claims(self.cluster.list_claims())
+            self._claims_listed = time.monotonic()
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
         self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}

@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=3, help="failed attempts before waiting for an operator")
     parser.add_argument("--retry-backoff", type=float, default=30.0, help="seconds before the first retry (doubles)")
     parser.add_argument("--resync", type=float, default=30.0, help="seconds between full resyncs")
+    parser.add_argument(
+        "--claim-resync",
+        type=float,
+        default=600.0,
+        help="seconds between lists of all ResourceClaims (besides at start), for claims whose pods this agent "
+        "never saw; each list reads every claim in the cluster",
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="agent_command", metavar="{status,rescrub}")
     status = sub.add_parser("status", help="device states from the checkpoint")
@@ -179,6 +186,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         nvidia_checkpoint=Path(args.nvidia_checkpoint) if args.nvidia_checkpoint else None,
         rescrub_dir=request_dir(checkpoint),
         resync_s=args.resync,
+        claim_resync_s=args.claim_resync,
     )
     metrics = AgentMetrics()
     agent = Agent(

@@ -4,6 +4,8 @@ list of claims at start and on resync; pods that ended unseen are asked for by n
 
 from __future__ import annotations
 
+import dataclasses
+
 from agent_support import CANARY, NODE, make_node
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation, verify
@@ -31,7 +33,7 @@ def test_a_claim_allocated_and_released_while_the_agent_was_down_is_scrubbed_at_
     assert node.violations.found == []
 
 
-def test_a_claim_found_on_resync_is_torn_down(tmp_path):
+def test_a_claim_found_on_the_claim_resync_is_torn_down(tmp_path):
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
@@ -39,6 +41,11 @@ def test_a_claim_found_on_resync_is_torn_down(tmp_path):
     claim, pod = node.tenant("job", [1])
     node.cluster.delete_pod(pod["metadata"]["uid"])
     agent.resync()
+    assert node.cluster.calls.count("list_claims") == 1, "all claims are listed at start, then rarely"
+    assert node.canary_present(1) and not agent.store.teardowns
+    agent.settings = dataclasses.replace(agent.settings, claim_resync_s=0.0)
+    agent.resync()
+    assert node.cluster.calls.count("list_claims") == 2
     node.settle(agent)
     assert node.clean(1) and not node.cluster.rules
     assert claim["metadata"]["uid"] not in agent.store.teardowns

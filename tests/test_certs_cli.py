@@ -39,7 +39,7 @@ def test_generate_writes_certs_secret_and_patched_copies(tmp_path: Path, capsys:
     ]  # fmt: skip
     assert WEBHOOK_CONFIGURATIONS.read_text() == original
     patched = out / "webhook-configurations.yaml"
-    assert count_webhooks(yaml.safe_load_all(patched.read_text())) == 3
+    assert count_webhooks(yaml.safe_load_all(patched.read_text())) == 4
     assert _bundles(patched) == {(out / "ca.crt").read_bytes()}
     secret = yaml.safe_load((out / "tls-secret.yaml").read_text())
     assert base64.b64decode(secret["data"]["tls.crt"]) == (out / "tls.crt").read_bytes()
@@ -97,7 +97,7 @@ def test_inject_filters_a_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     captured = capsys.readouterr()
     docs = list(yaml.safe_load_all(captured.out))
     assert {base64.b64decode(w["clientConfig"]["caBundle"]) for d in docs for w in d["webhooks"]} == {ca.read_bytes()}
-    assert "3 webhook(s)" in captured.err
+    assert "4 webhook(s)" in captured.err
 
 
 def test_inject_into_files_needs_a_destination(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -118,7 +118,7 @@ def test_one_mutating_webhook(docs: list[Doc]):
 
 def test_every_webhook_fails_closed_and_is_bounded(docs: list[Doc]):
     found = list(webhooks(docs))
-    assert len(found) == 3
+    assert len(found) == 4
     for _, hook in found:
         assert hook["failurePolicy"] == "Fail", hook["name"]
         assert hook["sideEffects"] == "None"
@@ -127,8 +127,16 @@ def test_every_webhook_fails_closed_and_is_bounded(docs: list[Doc]):
         assert hook["matchPolicy"] == "Equivalent"
 
 
+def cluster_scoped(hook: Doc) -> bool:
+    return all(rule["scope"] == "Cluster" for rule in hook["rules"])
+
+
 def test_system_namespaces_are_excluded_everywhere(docs: list[Doc]):
     for _, hook in webhooks(docs):
+        if cluster_scoped(hook):
+            # No namespaceSelector applies to a cluster-scoped object (the API server calls the webhook).
+            assert "namespaceSelector" not in hook, hook["name"]
+            continue
         expressions = hook["namespaceSelector"]["matchExpressions"]
         assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn"}.items() <= expressions[0].items()
         assert set(expressions[0]["values"]) == SYSTEM_NAMESPACES, hook["name"]
@@ -183,6 +191,27 @@ def test_validating_rules(docs: list[Doc]):
         for op in ("CREATE", "UPDATE"):
             assert (group, "v1", resource, op) in rules
     assert all(op != "CONNECT" and resource != "*" for _, _, resource, op in rules)
+    # Fences are cluster-scoped: here both tenancy webhooks would be called, and record each decision twice.
+    assert all(resource != "devicetaintrules" for _, _, resource, _ in rules)
+    assert {rule["scope"] for rule in by_name(docs)["validate-multi-tenant.scrubgate.dev"]["rules"]} == {"Namespaced"}
+
+
+def test_fence_webhook(docs: list[Doc]):
+    """One webhook of its own guards scrubgate's fences (SG007), untouched by the replacements that fill in
+    the tenancy webhooks' rules; CREATE is not sent (a new fence only fences more)."""
+    (hook,) = one(docs, "ValidatingWebhookConfiguration", "scrubgate-fences")["webhooks"]
+    assert hook["name"] == "validate-fences.scrubgate.dev"
+    assert hook["clientConfig"]["service"]["path"] == "/validate"
+    assert hook["rules"] == [
+        {
+            "apiGroups": [names.RESOURCE_GROUP],
+            "apiVersions": ["*"],  # every version that serves DeviceTaintRule
+            "operations": ["UPDATE", "DELETE"],
+            "resources": ["devicetaintrules"],
+            "scope": "Cluster",
+        }
+    ]
+    assert hook["matchConditions"] == by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
 
 
 def test_mutating_rules(docs: list[Doc]):
@@ -251,6 +280,14 @@ def reaches_webhook(cel_env: Any, hook: Doc, data: Doc) -> bool:
 CLAIM = {"metadata": {"name": "c", "finalizers": [names.FINALIZER]}, "spec": {"devices": {"requests": []}}}
 
 
+def taint_rule(key: str) -> Doc:
+    return {
+        "metadata": {"name": "r"},
+        "spec": {"deviceSelector": {"device": "gpu-0"}, "taint": {"key": key, "effect": "NoSchedule"}},
+        "status": {},
+    }
+
+
 def cases() -> Iterator[tuple[str, Doc, bool]]:
     for claims in (True, False):
         yield f"pod CREATE claims={claims}", admission("", "pods", "CREATE", workload("pods", claims), None), claims
@@ -266,6 +303,15 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
     for resource in ("resourceclaims", "resourceclaimtemplates"):
         yield f"{resource} CREATE", admission(names.RESOURCE_GROUP, resource, "CREATE", CLAIM, None), True
         yield f"{resource} UPDATE", admission(names.RESOURCE_GROUP, resource, "UPDATE", CLAIM, CLAIM), True
+    # A DeviceTaintRule only when it is scrubgate's fence; on DELETE `object` is null.
+    for key, expected in ((names.TAINT_UNSANITIZED, True), (names.TAINT_SCRUB_FAILED, True), ("example.com/x", False)):
+        rule = taint_rule(key)
+        for op, obj in (("UPDATE", rule), ("DELETE", None)):
+            yield (
+                f"devicetaintrules {op} {key}",
+                admission(names.RESOURCE_GROUP, "devicetaintrules", op, obj, rule),
+                expected,
+            )
 
 
 @pytest.mark.parametrize("name, data, expected", list(cases()), ids=lambda v: v if isinstance(v, str) else "")
@@ -447,7 +493,7 @@ def test_injected_render_still_validates(docs: list[Doc]):
     ca = gen.generate_ca()
     text, count = inject_yaml_text(yaml.safe_dump_all(docs), ca.cert_pem)
     patched = list(yaml.safe_load_all(text))
-    assert count == count_webhooks(patched) == 3
+    assert count == count_webhooks(patched) == 4
     for doc in patched:
         kubernetes_validate.validate(doc, "1.34", strict=True)
 
@@ -479,7 +525,7 @@ def test_cert_manager_component(tmp_path: Path):
     assert "selfSigned" in issuers[ca_cert["spec"]["issuerRef"]["name"]]["spec"]
     inject_from = f"{names.SYSTEM_NAMESPACE}/{serving['metadata']['name']}"
     configurations = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
-    assert len(configurations) == 2
+    assert len(configurations) == 3
     for doc in configurations:
         assert doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == inject_from
     for doc in docs:

@@ -77,6 +77,7 @@ _RESOURCES = {
     "ResourceClaimTemplate": ("resource.k8s.io", "v1", "resourceclaimtemplates"),
     "Deployment": ("apps", "v1", "deployments"),
     "ConfigMap": ("", "v1", "configmaps"),
+    "DeviceTaintRule": ("resource.k8s.io", "v1", "devicetaintrules"),
 }
 
 
