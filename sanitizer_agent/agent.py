@@ -1,7 +1,7 @@
 """The node agent: sees allocations on its node, fences them, and tears them down when they are released.
 
 Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), all
-claims at start and on resync (claims allocated here whose pods ended while the agent was away: the
+claims at start and every claim resync (claims allocated here whose pods ended while the agent was away: the
 webhook keeps a GPU claim allocated until its scrub is attested), this node's ResourceSlices (to map DRA
 devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared while the agent was away), the
 agent's own checkpoint, and operator rescrub requests. Everything that

@@ -65,7 +65,7 @@ class ClusterClient(Protocol):
         ...
 
     def list_claims(self) -> list[dict[str, Any]]:
-        """Every ResourceClaim in the cluster (at start and on resync: claims whose pods are gone)."""
+        """Every ResourceClaim in the cluster (at start and every claim resync: claims whose pods are gone)."""
         ...
 
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
