@@ -7,8 +7,9 @@ through `ApiClient` rather than the typed models: the agent reads several `resou
 same ones the policy core reads.
 
 At scale each agent lists and watches only its own node's pods (field selector `spec.nodeName`) and
-gets their claims by name: there is no cluster-wide claim watch per node. Only at start and on each
-resync does it list all claims, to find those allocated here whose pods ended while it was not looking.
+gets their claims by name: there is no cluster-wide claim watch per node. Only at start and every claim
+resync (10 minutes by default) does it list all claims, to find those allocated here whose pods ended
+while it was not looking.
 """
 
 from __future__ import annotations
