@@ -86,7 +86,8 @@ class ClusterClient(Protocol):
         ...
 
     def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
-        """Creates the rule; one that already exists under that name counts as created."""
+        """Creates the rule; one that already exists under that name counts as created if it fences the same
+        device with the same taint, and is replaced otherwise (someone took the fence's name first)."""
         ...
 
     def delete_device_taint_rule(self, version: str, name: str) -> None:
@@ -135,6 +136,16 @@ def _error(what: str, status: int, body: bytes | str | None) -> ClusterError:
     if status in (409, 422):
         return Conflict(detail, status)
     return ClusterError(detail, status)
+
+
+def same_fence(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether a stored DeviceTaintRule does what `wanted` does: the same device selector and taint (key, value,
+    effect; the API server adds `timeAdded`)."""
+    have, want = existing.get("spec") or {}, wanted.get("spec") or {}
+    taint_fields = ("key", "value", "effect")
+    return have.get("deviceSelector") == want.get("deviceSelector") and all(
+        (have.get("taint") or {}).get(f) == (want.get("taint") or {}).get(f) for f in taint_fields
+    )
 
 
 def taint_rule_path(version: str, name: str | None = None) -> str:
@@ -292,11 +303,24 @@ class KubernetesClusterClient:
 
     def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
         body = {**rule, "apiVersion": f"{GROUP}/{version}", "kind": "DeviceTaintRule"}
+        name = rule["metadata"]["name"]
         try:
             self._call("POST", taint_rule_path(version), body=body)
+            return
         except Conflict as exc:
             if exc.status != 409:
                 raise
+        existing = self._call("GET", taint_rule_path(version, name))
+        if same_fence(existing, rule):
+            return
+        log.warning(
+            "DeviceTaintRule %s exists but does not fence what scrubgate's fence of that name must (%s); "
+            "replacing it. Check who created it: only the scrubgate agent should",
+            name,
+            json.dumps(existing.get("spec"), sort_keys=True),
+        )
+        self.delete_device_taint_rule(version, name)
+        self._call("POST", taint_rule_path(version), body=body)
 
     def delete_device_taint_rule(self, version: str, name: str) -> None:
         with contextlib.suppress(NotFound):

@@ -22,7 +22,7 @@ import jsonpatch
 import jsonpointer
 from scrubgate.policies import names
 
-from .kube import TAINT_RULE_VERSIONS, Conflict, NotFound
+from .kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
 
 Hook = Callable[[str, tuple[Any, ...]], None]
 
@@ -144,7 +144,7 @@ class InMemoryCluster:
         self._check_version(version)
         with self._lock:
             name = rule["metadata"]["name"]
-            if name not in self.rules:
+            if name not in self.rules or not same_fence(self.rules[name], rule):
                 stored = {
                     **copy.deepcopy(rule),
                     "apiVersion": f"{names.RESOURCE_GROUP}/{version}",

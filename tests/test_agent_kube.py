@@ -316,3 +316,26 @@ def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_
         check_claim_attestation(
             done["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], done, node.signer.public_keys
         )
+
+
+def test_real_client_replaces_a_rule_that_took_a_fences_name_with_another_spec(caplog):
+    """Fence names are predictable: one created first under that name, doing something else, must not pass
+    for the fence. The same fence created again is left as it is."""
+    fence = {
+        "metadata": {"name": "scrubgate-unsanitized-test"},
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": NODE, "device": "gpu-0"},
+            "taint": {"key": names.TAINT_UNSANITIZED, "value": "uid-1", "effect": "NoSchedule"},
+        },
+    }
+    decoy = {**fence, "spec": {**fence["spec"], "taint": {"key": "example.com/harmless", "effect": "NoSchedule"}}}
+    with ApiServer().start() as server:
+        cluster = KubernetesClusterClient(client.ApiClient(client.Configuration(host=server.url)))
+        path = "/apis/resource.k8s.io/v1/devicetaintrules/scrubgate-unsanitized-test"
+        cluster.create_device_taint_rule("v1", decoy)
+        cluster.create_device_taint_rule("v1", fence)
+        stored = cluster._call("GET", path)
+        assert stored["spec"]["taint"]["key"] == names.TAINT_UNSANITIZED
+        assert "replacing it" in caplog.text
+        cluster.create_device_taint_rule("v1", fence)
+        assert cluster._call("GET", path)["metadata"]["uid"] == stored["metadata"]["uid"]
