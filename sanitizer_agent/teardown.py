@@ -409,7 +409,6 @@ class TeardownEngine:
         return State.DRAINING, self._drain_fields()
 
     def _on_draining(self, td: Teardown) -> Outcome:
-        self._announce(td, names.SCRUB_DRAINING)
         holders = []
         for device in td.devices:
             if device.uuid is None:
@@ -420,6 +419,8 @@ class TeardownEngine:
                 return self._fail(td, "gpu-error", f"cannot list processes on {device.key} ({device.uuid}): {exc}")
         if not holders:
             return State.SCRUBBING, {"scrub_started_at": self.clock()}
+        # Announced only when there is something to wait for: one claim PATCH less per teardown otherwise.
+        self._announce(td, names.SCRUB_DRAINING)
         if self.clock() >= (td.drain_deadline or 0):
             return self._fail(
                 td,
