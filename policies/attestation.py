@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .model import as_dict, as_list
+from .model import as_dict, as_list, as_str
 from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE
 
 PAYLOAD_VERSION = 1
@@ -132,14 +132,16 @@ def _device_key(device: Mapping[str, Any]) -> tuple[str, str, str]:
     return (str(device.get("driver", "")), str(device.get("pool", "")), str(device.get("device", "")))
 
 
-def claimed_devices(claim: Mapping[str, Any]) -> set[tuple[str, str, str]]:
-    """The (driver, pool, device) triples this claim holds or held: the allocation in its status, and the
-    agent's record in the `scrubgate.dev/devices` annotation (the allocation is gone after release).
-    A field of the wrong type reads as absent; a devices annotation that cannot be read is an error."""
+def claimed_devices(claim: Mapping[str, Any], skip_requests: Collection[str] = ()) -> set[tuple[str, str, str]]:
+    """The (driver, pool, device) triples this claim holds or held: the allocation in its status (but for
+    results of `skip_requests`), and the agent's record in the `scrubgate.dev/devices` annotation (the
+    allocation is gone after release). A field of the wrong type reads as absent; a devices annotation that
+    cannot be read is an error."""
     found: set[tuple[str, str, str]] = set()
     allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
     for result in as_list(as_dict(allocation.get("devices")).get("results")):
-        if isinstance(result, dict):
+        # A result of a subrequest names it `request/subrequest`.
+        if isinstance(result, dict) and as_str(result.get("request")).split("/")[0] not in skip_requests:
             found.add(_device_key(result))
     recorded = as_dict(as_dict(claim.get("metadata")).get("annotations")).get(ANNOTATION_DEVICES)
     if recorded:

@@ -298,12 +298,16 @@ def finalizer_guard(
 
 
 def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: PolicyConfig) -> str | None:
-    """Why the claim's attestation does not cover every device it holds or held (None when it does)."""
+    """Why the claim's attestation does not cover every GPU it holds or held (None when it does). Devices of
+    requests that cannot use a GPU class (a NIC in the same claim, say) hold no GPU memory: the agent does
+    not scrub them, and they need no attestation."""
     token = annotations(claim).get(names.ANNOTATION_ATTESTATION)
     if not isinstance(token, str) or not token:
         return f"without a {names.ANNOTATION_ATTESTATION} annotation"
+    other = {r.name for r in device_requests(old) if r.name and not any(map(policy.is_gpu_class, r.device_classes()))}
     try:
-        check_claim_attestation(token, claim, policy.public_keys, claimed_devices(old) | claimed_devices(claim))
+        required = claimed_devices(old, other) | claimed_devices(claim, other)
+        check_claim_attestation(token, claim, policy.public_keys, required)
     except AttestationError as exc:
         return f"with an attestation that does not hold: {exc}"
     return None

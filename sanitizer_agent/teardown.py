@@ -29,6 +29,7 @@ from scrubgate.policies.attestation import (
     AttestationError,
     build_payload,
     check_claim_attestation,
+    claimed_devices,
     load_private_key,
     sign,
 )
@@ -573,8 +574,11 @@ class TeardownEngine:
             if annotations.get(names.ANNOTATION_ATTESTATION) != td.attestation:
                 self._write_claim(td, {names.ANNOTATION_ATTESTATION: td.attestation})
                 continue
+            # Devices of other drivers in the claim (a NIC, say) are not the agent's to scrub or attest.
+            drivers = {d.driver for d in td.devices}
             try:
-                check_claim_attestation(td.attestation, claim, self.signer.public_keys)
+                required = {key for key in claimed_devices(claim) if key[0] in drivers}
+                check_claim_attestation(td.attestation, claim, self.signer.public_keys, required)
             except AttestationError as exc:
                 # The devices are verified clean and unfenced; only the claim object stays. Say why.
                 log.error("claim %s: keeping finalizer %s: %s", td.claim, names.FINALIZER, exc)

@@ -12,7 +12,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
-from scrubgate.policies.attestation import AttestationError, check_claim_attestation, deleted_before_allocation
+from scrubgate.policies.attestation import (
+    AttestationError,
+    check_claim_attestation,
+    claimed_devices,
+    deleted_before_allocation,
+)
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
@@ -301,7 +306,9 @@ def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
             if removes and claim is not None and not deleted_before_allocation(claim):
                 token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION, "")
                 try:
-                    check_claim_attestation(token, claim, node.signer.public_keys)
+                    # Every GPU it holds (a device of another driver, a NIC say, is not scrubbed).
+                    gpus = {key for key in claimed_devices(claim) if key[0] == DRIVER}
+                    check_claim_attestation(token, claim, node.signer.public_keys, gpus)
                 except AttestationError as exc:
                     node.violations.found.append(f"finalizer of {namespace}/{name} removed without attestation: {exc}")
 

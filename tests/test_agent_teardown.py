@@ -155,3 +155,23 @@ def test_attestation_header_names_the_configured_key(tmp_path):
     assert sorted(d["device"] for d in payload["devices"]) == ["gpu-0", "gpu-1"]
     assert all(d["verified"] for d in payload["devices"])
     assert node.clean(0) and node.clean(1)
+
+
+def test_a_claim_that_also_holds_another_drivers_device_is_released_on_the_gpus_attestation(tmp_path):
+    """A NIC in the same claim is not the agent's to scrub: the attestation covers the GPU, and the finalizer
+    goes (the webhook does not ask for the NIC either)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    claim = node.cluster.claims[("team-a", "job")]
+    claim["spec"]["devices"]["requests"].append({"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}})
+    nic = {"request": "nic", "driver": "nic.example.com", "pool": NODE, "device": "nic-0"}
+    claim["status"]["allocation"]["devices"]["results"].append(nic)
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    after = node.cluster.claims[("team-a", "job")]
+    assert node.clean(0) and names.FINALIZER not in after["metadata"]["finalizers"]
+    assert not [e for e in node.cluster.events if e["reason"] == "AttestationMismatch"]
+    assert node.violations.found == []

@@ -331,3 +331,34 @@ def test_an_attestation_does_not_cover_a_later_use_of_the_claim() -> None:
     old["status"]["reservedFor"] = [{"resource": "pods", "name": "p2", "uid": "pod-2"}]
     (finding,) = status_update(old, deallocated(old), "resource-claim-controller")
     assert finding.rule == "SG007" and "predates the claim's use by pod(s) p2 (pod-2)" in finding.message
+
+
+# -- a claim with a GPU and a device of another kind -------------------------------------------------------
+
+
+NIC = {"driver": "nic.example.com", "pool": "node-a", "device": "nic-0"}
+
+
+def _mixed(nic_request: str = "nic", **kwargs: Any) -> dict[str, Any]:
+    """A GPU claim that also holds a NIC (another request, another class): the agent attests the GPU only."""
+    old = allocated(**kwargs)
+    old["spec"]["devices"]["requests"].append({"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}})
+    results = old["status"]["allocation"]["devices"]["results"]
+    results[0]["request"] = "gpu/h200"  # a subrequest of the GPU request (firstAvailable)
+    results.append({**NIC, "request": nic_request})
+    return old
+
+
+def test_the_devices_of_requests_that_cannot_use_a_gpu_class_need_no_attestation() -> None:
+    old = _mixed(annotations=attested())
+    assert status_update(old, deallocated(old), "resource-claim-controller") == []
+    agent = POLICY.agent.identities[0]
+    stripped = copy.deepcopy(old)
+    stripped["metadata"]["finalizers"] = []
+    assert status_update(old, stripped, agent, subresource="") == []
+
+
+def test_a_device_of_an_unknown_request_still_needs_the_attestation() -> None:
+    old = _mixed("not-in-the-spec", annotations=attested())
+    (finding,) = status_update(old, deallocated(old), "resource-claim-controller")
+    assert "does not cover the claim's devices: nic.example.com/node-a/nic-0" in finding.message
