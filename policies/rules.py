@@ -339,8 +339,8 @@ def deallocation_guard(
     return [
         (
             f"user {username!r} cleared the allocation {problem}: its devices may still hold the last tenant's "
-            f"data. The scrubgate node agent attests their scrub, then the deallocation is retried and "
-            f"allowed; if it does not, check the agent on the node (`scrubgate agent status`)",
+            f"data. Once the scrubgate node agent has attested their scrub, the retried deallocation is "
+            f"allowed; if it stays refused, check the agent on the devices' node (`scrubgate agent status`)",
             path,
             (),
         )
