@@ -39,8 +39,10 @@ from e2e_support import (
     tenant_pod,
     verified_attestation,
     wait_gone,
+    wait_phase,
 )
 from scrubgate.policies import names
+from scrubgate.policies.attestation import check_claim_attestation
 from scrubgate.sanitizer_agent.checkpoint import State, Teardown, read
 from scrubgate.sanitizer_agent.gpu import simulated
 
@@ -379,6 +381,53 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
     cluster.wait_agent_ready()
     next_tenants_find_nothing(cluster, ns_b, {"next": held.device})
     released_clean(cluster, held)
+    assert_invariant(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_a_named_claim_used_again_while_the_agent_is_down_is_scrubbed_again(cluster_factory: Any) -> None:
+    """A bare pod's named claim (allowed in a single-tenant namespace) keeps the attestation of its first
+    use. A second pod uses it while the agent is down and ends: the attestation names only the first pod,
+    so the deallocation stays refused until the agent, back, has scrubbed the second pod's data too."""
+    cluster = cluster_factory(gpus=1)
+    ns = tenant_namespace(cluster, "named", trusted=True)
+    ns_next = tenant_namespace(cluster, "named-next")
+    cluster.request("POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("mine"), user="alice")
+
+    def use(pod: str, canary: str) -> Held:
+        body = workloads.pod(pod, claim="mine", annotations=workloads.workload_annotations(canary))
+        cluster.core("alice").create_namespaced_pod(ns, body)
+        wait_phase(cluster, ns, pod, "Running", "Succeeded")
+        claim = cluster.claim(ns, "mine") or {}
+        device = allocated_device(claim)[2]
+        held = Held(ns, pod, "mine", claim["metadata"]["uid"], device, cluster.device_uuid(device), canary)
+        assert canary.encode() in cluster.gpu_memory(held.uuid)
+        cluster.core("alice").delete_namespaced_pod(pod, ns)
+        wait_for(lambda: cluster.pod(ns, pod) is None, WAIT_S, f"pod {ns}/{pod} deleted")
+        return held
+
+    first = use("first", f"{CANARY}-first")
+    wait_for(lambda: deallocated(cluster, first), WAIT_S, "the first use attested and deallocated")
+    assert cluster.agent.kill() == -9
+    second = use("second", f"{CANARY}-second")
+
+    def refused_for_the_second_pod() -> bool:
+        records = cluster.audit_denials("SG007", namespace=ns, name="mine", subResource="status")
+        return any("predates the claim's use by pod(s) second" in f["message"] for r in records for f in r["findings"])
+
+    what = "the deallocation after the second use refused: the attestation is the first pod's"
+    wait_for(refused_for_the_second_pod, WAIT_S, what)
+    assert attested_on_claim(cluster, second) and not deallocated(cluster, second)
+
+    cluster.agent.start()
+    cluster.wait_agent_ready()
+    wait_for(lambda: deallocated(cluster, second), WAIT_S, "the second use attested and deallocated")
+    assert second.canary.encode() not in cluster.gpu_memory(second.uuid)
+    stored = cluster.claim(ns, "mine") or {}
+    token = stored["metadata"]["annotations"][names.ANNOTATION_ATTESTATION]
+    assert [c["name"] for c in check_claim_attestation(token, stored, cluster.public_keys)["consumers"]] == ["second"]
+    next_tenant(cluster, ns_next, "next", second.uuid, look_for=second.canary)
+    next_tenants_find_nothing(cluster, ns_next, {"next": second.device})
     assert_invariant(cluster)
 
 
