@@ -10,14 +10,12 @@ import json
 import jsonpatch
 import pytest
 from scrubgate.policies import names
-from scrubgate.policies.attestation import public_key_pem
 from scrubgate.webhook import handlers
 from scrubgate.webhook.audit import verify_files
-from scrubgate.webhook.server import Settings
 from webhook_support import (
     ADMIN,
     AGENT,
-    SIGNING_KEY,
+    AGENT_KEYS,
     USER,
     allocated_claim,
     attestation,
@@ -25,34 +23,19 @@ from webhook_support import (
     generated_claim,
     gpu_claim,
     gpu_pod,
-    make_tls_dir,
     post_review,
     record_for,
     review,
-    running_webhook,
+    serving,
     with_changes,
 )
 
 
 @pytest.fixture(scope="module")
 def webhook(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("webhook")
-    tls = make_tls_dir(directory / "tls")
-    policy = directory / "policy.yaml"
-    key_pem = public_key_pem(SIGNING_KEY).replace("\n", "\n      ")
-    policy.write_text(
-        "apiVersion: scrubgate.dev/v1\nkind: PolicyConfig\n"
-        "rules:\n  SG005: {action: audit}\n  SG006: {action: warn}\n"
-        f"attestationKeys:\n  - kid: node-agent-1\n    publicKey: |\n      {key_pem}\n"
-    )
-    settings = Settings(
-        tls_cert=tls.tls_cert, tls_key=tls.tls_key, policy=policy, audit_log=directory / "audit" / "audit.jsonl"
-    )
-    with running_webhook(settings, tls.ca_cert) as running:
-        running.audit_path = settings.audit_log
-        with running.client() as client:
-            running.http = client
-            yield running
+    policy = {"rules": {"SG005": {"action": "audit"}, "SG006": {"action": "warn"}}, "attestationKeys": AGENT_KEYS}
+    with serving(tmp_path_factory.mktemp("webhook"), policy) as running:
+        yield running
 
 
 def _patch_ops(response: dict) -> list[dict]:

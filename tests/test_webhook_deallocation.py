@@ -6,22 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 from scrubgate.policies import names
-from scrubgate.policies.attestation import public_key_pem
-from scrubgate.webhook.server import Settings
 from test_policies_deallocation import deallocated
 from webhook_support import (
     ADMIN,
-    SIGNING_KEY,
+    AGENT_KEYS,
     allocated_claim,
     attestation,
     audit_records,
-    make_tls_dir,
     post_review,
     record_for,
     review,
-    running_webhook,
+    serving,
     with_changes,
 )
 
@@ -30,21 +26,8 @@ SCHEDULER = {"username": "system:kube-scheduler", "groups": ["system:authenticat
 
 @pytest.fixture(scope="module")
 def webhook(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("deallocation")
-    tls = make_tls_dir(directory / "tls")
-    policy = directory / "policy.yaml"
-    keys = [{"kid": "node-agent-1", "publicKey": public_key_pem(SIGNING_KEY)}]
-    policy.write_text(
-        yaml.safe_dump({"apiVersion": "scrubgate.dev/v1", "kind": "PolicyConfig", "attestationKeys": keys})
-    )
-    settings = Settings(
-        tls_cert=tls.tls_cert, tls_key=tls.tls_key, policy=policy, audit_log=directory / "audit" / "audit.jsonl"
-    )
-    with running_webhook(settings, tls.ca_cert) as running:
-        running.audit_path = settings.audit_log
-        with running.client() as client:
-            running.http = client
-            yield running
+    with serving(tmp_path_factory.mktemp("deallocation"), {"attestationKeys": AGENT_KEYS}) as running:
+        yield running
 
 
 def deallocation_review(old: dict[str, Any], user: dict[str, Any] | None = None) -> dict[str, Any]:

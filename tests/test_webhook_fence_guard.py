@@ -9,23 +9,16 @@ from typing import Any
 
 import pytest
 from scrubgate.policies import names
-from scrubgate.webhook.server import Settings
 from test_policies_fence_guard import fence
-from webhook_support import ADMIN, AGENT, audit_records, make_tls_dir, post_review, record_for, review, running_webhook
+from webhook_support import ADMIN, AGENT, audit_records, post_review, record_for, review, serving
 
 NAME = fence()["metadata"]["name"]
 
 
 @pytest.fixture(scope="module")
 def webhook(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fence-guard")
-    tls = make_tls_dir(directory / "tls")
-    settings = Settings(tls_cert=tls.tls_cert, tls_key=tls.tls_key, audit_log=directory / "audit" / "audit.jsonl")
-    with running_webhook(settings, tls.ca_cert) as running:
-        running.audit_path = settings.audit_log
-        with running.client() as client:
-            running.http = client
-            yield running
+    with serving(tmp_path_factory.mktemp("fence-guard")) as running:
+        yield running
 
 
 def fence_review(

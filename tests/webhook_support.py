@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.certs.generate import TlsFiles, generate_ca, issue_serving_cert, write_tls_dir
 from scrubgate.policies import names
-from scrubgate.policies.attestation import build_payload, sign
+from scrubgate.policies.attestation import build_payload, public_key_pem, sign
 from scrubgate.webhook.app import create_app
 from scrubgate.webhook.server import Settings, build, build_server
 
@@ -64,6 +65,23 @@ def running_webhook(settings: Settings, ca_file: Path) -> Iterator[RunningWebhoo
         thread.join(timeout=20)
         if audit is not None:
             audit.close()
+
+
+@contextmanager
+def serving(directory: Path, policy: dict[str, Any] | None = None) -> Iterator[RunningWebhook]:
+    """A webhook under test with its audit log (`audit_path`) and a client (`http`). `policy` holds the
+    PolicyConfig fields to write to its policy file; without it, the shipped default policy applies."""
+    tls = make_tls_dir(directory / "tls")
+    policy_file = None
+    if policy is not None:
+        policy_file = directory / "policy.yaml"
+        policy_file.write_text(yaml.safe_dump({"apiVersion": "scrubgate.dev/v1", "kind": "PolicyConfig", **policy}))
+    audit_log = directory / "audit" / "audit.jsonl"
+    settings = Settings(tls_cert=tls.tls_cert, tls_key=tls.tls_key, policy=policy_file, audit_log=audit_log)
+    with running_webhook(settings, tls.ca_cert) as running, running.client() as client:
+        running.audit_path = audit_log  # type: ignore[attr-defined]
+        running.http = client  # type: ignore[attr-defined]
+        yield running
 
 
 # -- API-server-shaped payloads -------------------------------------------------------------------
@@ -207,6 +225,7 @@ def with_changes(obj: dict[str, Any], **metadata: Any) -> dict[str, Any]:
 
 # The node agent's key: the test webhooks' policies trust it under kid node-agent-1.
 SIGNING_KEY = Ed25519PrivateKey.generate()
+AGENT_KEYS = [{"kid": "node-agent-1", "publicKey": public_key_pem(SIGNING_KEY)}]
 ADMIN = {"username": "root-admin", "groups": ["system:masters", "system:authenticated"]}
 
 
