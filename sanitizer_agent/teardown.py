@@ -565,8 +565,11 @@ class TeardownEngine:
     def _remove_finalizer(self, td: Teardown) -> None:
         if not td.claim.name or not td.attestation:
             return
-        for _ in range(CONFLICT_RETRIES):
-            claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        for attempt in range(CONFLICT_RETRIES):
+            # As in _write_claim: first the copy the attestation's write returned; a stale one fails the tests.
+            claim = self._claims.pop(td.claim.uid, None) if attempt == 0 else None
+            if claim is None:
+                claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
             if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
                 self._keep_orphan_attestation(td)
                 return
@@ -591,6 +594,7 @@ class TeardownEngine:
                 self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
                 return
             except NotFound:
+                self._keep_orphan_attestation(td)
                 return
             except Conflict:
                 continue
