@@ -228,11 +228,10 @@ class Agent:
                 self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
 
     def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
-        """A full list of this node's pods. A running pod that is no longer in it has gone, though no watch
-        said so (a pod never changes node); returns whether there was one."""
+        """A full list of this node's pods. A running pod that is not in it may have gone though no watch said
+        so, or the list may be older than the pod: it is no longer taken as running, and the next release
+        check asks the API about it. Returns whether there was one."""
         vanished = self._live_pods - {(p.get("metadata") or {}).get("uid") for p in pods}
-        now = self.clock()
-        self._finished_pods.update(dict.fromkeys(vanished, now))
         self._live_pods = set()
         for pod in pods:
             self.observe_pod("SYNC", pod)

@@ -192,3 +192,17 @@ def test_an_attestation_with_no_claim_left_is_kept_in_an_event_on_the_node(tmp_p
     assert event["type"] == "Normal" and event["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": NODE}
     payload = verify(event["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], node.signer.public_keys)
     assert payload["claim"]["uid"] == claim["metadata"]["uid"] and payload["devices"][0]["verified"] is True
+
+
+def test_a_list_older_than_a_running_pod_does_not_release_its_claim(tmp_path):
+    """The watch's list can be older than a pod the agent already saw: a pod missing from it is asked for,
+    not taken as gone."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    agent._handle(("LIST", []))  # a list taken before the pod was bound
+    assert "get_pod" in node.cluster.calls
+    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED
+    assert node.fenced(0) and node.canary_present(0)
