@@ -49,6 +49,8 @@ from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, T
 log = logging.getLogger(__name__)
 
 FINISHED_POD_MEMORY_S = 3600.0
+# A teardown past its verified scrub: nothing left but API writes, done in one advance when the API answers.
+VERIFIED_STATES = frozenset({State.VERIFIED, State.ATTESTED, State.UNFENCED, State.DONE})
 SLICE_REFRESH_S = 5.0
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
 
@@ -243,6 +245,11 @@ class Agent:
         here however late the agent looks."""
         for claim in claims:
             uid = (claim.get("metadata") or {}).get("uid")
+            known = self.store.teardowns.get(uid or "")
+            if known is not None and known.state in VERIFIED_STATES:
+                # Finished first (a restart after the scrub, before the finalizer's removal), so that a later
+                # use of the claim, which its attestation does not cover, gets a teardown of its own.
+                self._guarded(known, lambda td=known: self.engine.advance(td))
             if not uid or uid in self.store.teardowns:
                 continue
             if deleted_before_allocation(claim):

@@ -4,9 +4,11 @@ list of claims at start and on resync; pods that ended unseen are asked for by n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
-from agent_support import CANARY, NODE, make_node
+import pytest
+from agent_support import CANARY, NODE, Crash, make_node
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation, verify
 from scrubgate.sanitizer_agent.checkpoint import State
@@ -206,3 +208,35 @@ def test_a_list_older_than_a_running_pod_does_not_release_its_claim(tmp_path):
     assert "get_pod" in node.cluster.calls
     assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED
     assert node.fenced(0) and node.canary_present(0)
+
+
+@pytest.mark.parametrize("crash_at", [State.ATTESTED, State.UNFENCED, State.DONE])
+def test_a_restart_after_the_scrub_then_a_new_use_gets_its_own_teardown(tmp_path, crash_at):
+    """Killed after the first use's verified scrub, before removing the finalizer; the claim was then used by
+    another pod: at start the old attestation does not cover that pod, so the claim is torn down again."""
+    node = make_node(tmp_path)
+    agent = node.agent(on_transition=lambda td, state: _crash_at(state, crash_at))
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    with contextlib.suppress(Crash):
+        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    assert agent.store.teardowns and next(iter(agent.store.teardowns.values())).state == crash_at
+    node.cluster.delete_pod(pod["metadata"]["uid"])
+    again = node.cluster.add_pod("team-a", "job-again", NODE, ["job"])
+    simulated.fill(node.root, node.gpus[0].uuid, CANARY)
+    node.cluster.delete_pod(again["metadata"]["uid"])
+    restarted = node.agent()
+    restarted.start()
+    node.settle(restarted)
+    assert node.clean(0) and not node.cluster.rules
+    claim = node.cluster.claims[("team-a", "job")]
+    payload = check_claim_attestation(
+        claim["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], claim, node.signer.public_keys
+    )
+    assert {c["name"] for c in payload["consumers"]} == {"job-pod", "job-again"}
+
+
+def _crash_at(state: State, crash_at: State) -> None:
+    if state == crash_at:
+        raise Crash(f"killed in {state.value}, before the finalizer's removal")
