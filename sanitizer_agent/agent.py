@@ -118,6 +118,12 @@ class Agent:
     def start(self) -> None:
         """Loads the checkpoint, picks the fence, and fences everything that may be dirty."""
         self.store.load()
+        # Released before the restart: once finished, not to be started again for the same pods.
+        self._released = {
+            uid: (frozenset(pod for _, pod in td.consumers), self.clock())
+            for uid, td in self.store.teardowns.items()
+            if td.released_at is not None
+        }
         version = with_retries("DeviceTaintRule discovery", self.cluster.device_taint_rule_version)
         fencer = Fencer(self.cluster, self.node, version, self.metrics)
         self._engine = TeardownEngine(

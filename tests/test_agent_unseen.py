@@ -240,3 +240,24 @@ def test_a_restart_after_the_scrub_then_a_new_use_gets_its_own_teardown(tmp_path
 def _crash_at(state: State, crash_at: State) -> None:
     if state == crash_at:
         raise Crash(f"killed in {state.value}, before the finalizer's removal")
+
+
+@pytest.mark.parametrize("crash_at", [State.UNFENCED, State.DONE])
+def test_a_restart_after_the_scrub_finishes_it_and_starts_nothing_new(tmp_path, crash_at):
+    """The same restart with no later use: the teardown ends (finalizer removed) and the claim, still
+    allocated until the controller deallocates it, is not fenced and scrubbed a second time."""
+    node = make_node(tmp_path)
+    agent = node.agent(on_transition=lambda td, state: _crash_at(state, crash_at))
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    with contextlib.suppress(Crash):
+        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.cluster.delete_pod(pod["metadata"]["uid"])
+    fences_created = node.cluster.calls.count("create_device_taint_rule")
+    restarted = node.agent()
+    restarted.start()
+    node.settle(restarted)
+    assert restarted.store.teardowns == {} and not node.cluster.rules
+    assert names.FINALIZER not in node.cluster.claims[("team-a", "job")]["metadata"]["finalizers"]
+    assert node.cluster.calls.count("create_device_taint_rule") == fences_created
