@@ -304,7 +304,8 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
     token = annotations(claim).get(names.ANNOTATION_ATTESTATION)
     if not isinstance(token, str) or not token:
         return f"without a {names.ANNOTATION_ATTESTATION} annotation"
-    other = {r.name for r in device_requests(old) if r.name and not any(map(policy.is_gpu_class, r.device_classes()))}
+    # Unnamed requests are malformed: their results stay required (fail closed).
+    other = {r.name for r in device_requests(old) if r.name} - {r.name for r in gpu_requests(old, policy)}
     try:
         required = claimed_devices(old, other) | claimed_devices(claim, other)
         check_claim_attestation(token, claim, policy.public_keys, required)

@@ -148,6 +148,14 @@ class GpuNode:
                     self.cluster.delete_claim(namespace, status["resourceClaimName"])
         return done
 
+    def job_ends(self, agent: Agent, name: str = "job", devices: tuple[int, ...] = (0,)) -> tuple[dict, dict]:
+        """A tenant's pod runs on `devices` (seen by `agent`) and succeeds, with no controller acting yet: the
+        agent tears its claim down (a crash the test plants propagates). Returns (claim, pod) as created."""
+        claim, pod = self.tenant(name, list(devices))
+        agent.observe_pod("ADDED", pod)
+        agent.observe_pod("MODIFIED", self.finish(pod, controller=False))
+        return claim, pod
+
     def clean(self, index: int) -> bool:
         return simulated.read(self.root, self.gpus[index].uuid).count(0) == MEMORY
 

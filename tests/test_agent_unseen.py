@@ -97,9 +97,7 @@ def test_a_released_claim_awaiting_deallocation_is_not_torn_down_twice(tmp_path)
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
-    claim, pod = node.tenant("job", [0])
-    agent.observe_pod("ADDED", pod)
-    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    claim, pod = node.job_ends(agent)
     node.settle(agent)
     assert node.clean(0) and agent.store.teardowns == {}
     fences_created = node.cluster.calls.count("create_device_taint_rule")
@@ -167,9 +165,7 @@ def test_the_attestation_names_the_pods_the_claim_was_released_by(tmp_path):
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
-    _, pod = node.tenant("job", [0])
-    agent.observe_pod("ADDED", pod)
-    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    _, pod = node.job_ends(agent)
     node.settle(agent)
     claim = node.cluster.claims[("team-a", "job")]
     payload = check_claim_attestation(
@@ -217,10 +213,9 @@ def test_a_restart_after_the_scrub_then_a_new_use_gets_its_own_teardown(tmp_path
     node = make_node(tmp_path)
     agent = node.agent(on_transition=lambda td, state: _crash_at(state, crash_at))
     agent.start()
-    _, pod = node.tenant("job", [0])
-    agent.observe_pod("ADDED", pod)
     with contextlib.suppress(Crash):
-        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+        node.job_ends(agent)
+    (pod,) = node.cluster.pods.values()
     assert agent.store.teardowns and next(iter(agent.store.teardowns.values())).state == crash_at
     node.cluster.delete_pod(pod["metadata"]["uid"])
     again = node.cluster.add_pod("team-a", "job-again", NODE, ["job"])
@@ -249,10 +244,9 @@ def test_a_restart_after_the_scrub_finishes_it_and_starts_nothing_new(tmp_path, 
     node = make_node(tmp_path)
     agent = node.agent(on_transition=lambda td, state: _crash_at(state, crash_at))
     agent.start()
-    _, pod = node.tenant("job", [0])
-    agent.observe_pod("ADDED", pod)
     with contextlib.suppress(Crash):
-        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+        node.job_ends(agent)
+    (pod,) = node.cluster.pods.values()
     node.cluster.delete_pod(pod["metadata"]["uid"])
     fences_created = node.cluster.calls.count("create_device_taint_rule")
     restarted = node.agent()
