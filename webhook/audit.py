@@ -11,6 +11,10 @@ Durability: one writer thread owns the file. It takes every record queued so far
 with one write(2), then fsync(2)s, and only then resolves their futures (group commit). The
 webhook awaits that future before it answers, so no decision reaches the API server before its
 record is on disk, and the event loop never blocks on the disk.
+
+Evidence beyond the file (audit_checkpoints.py): with a `stream` (the webhook's stdout) each record is
+also written there once it is on disk, and with a `checkpointer` a signed checkpoint of the chain head
+goes there at open, every `interval` seconds when the head moved, and at close.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from .audit_checkpoints import Checkpointer, stream_line
 from .defaults import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 
 log = logging.getLogger(__name__)
@@ -131,7 +137,15 @@ _STOP = object()
 class AuditLog:
     """Appends hash-chained records from any thread or coroutine; see the module docstring."""
 
-    def __init__(self, path: str | Path, *, max_bytes: int = AUDIT_MAX_BYTES, backups: int = AUDIT_BACKUPS) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_bytes: int = AUDIT_MAX_BYTES,
+        backups: int = AUDIT_BACKUPS,
+        stream: TextIO | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         if max_bytes < 1024:
             raise ValueError(f"audit max bytes must be at least 1024, got {max_bytes}")
         if backups < 1:
@@ -139,6 +153,9 @@ class AuditLog:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = backups
+        self.stream = stream
+        self.checkpointer = checkpointer
+        self._checkpointed: tuple[int, str] | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._fd = -1
@@ -152,6 +169,7 @@ class AuditLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._resume()
         self._open_current()
+        self._checkpoint()
         self._thread = threading.Thread(target=self._run, name="scrubgate-audit-writer", daemon=True)
         self._thread.start()
 
@@ -166,6 +184,7 @@ class AuditLog:
         self._queue.put(_STOP)
         self._thread.join()
         self._thread = None
+        self._checkpoint()
         os.close(self._fd)
         self._fd = -1
 
@@ -212,8 +231,16 @@ class AuditLog:
         return await asyncio.wrap_future(self.submit(fields))
 
     def _run(self) -> None:
+        interval = self.checkpointer.interval if self.checkpointer is not None else None
+        due = None if interval is None else time.monotonic() + interval
         while True:
-            batch = [self._queue.get()]
+            if interval is not None and due is not None and time.monotonic() >= due:
+                self._checkpoint()
+                due = time.monotonic() + interval
+            try:
+                batch = [self._queue.get(timeout=None if due is None else max(0.0, due - time.monotonic()))]
+            except queue.Empty:
+                continue
             while len(batch) < _MAX_BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -268,8 +295,26 @@ class AuditLog:
                 item.future.set_exception(exc)
             return
         self.seq, self.head = seq, head
+        self._emit(stream_line("record", record) for _, record in written)
         for item, record in written:
             item.future.set_result(record)
+
+    def _emit(self, lines: Iterable[str]) -> None:
+        """Copies to the stream; a stream that fails costs its copies, never an admission answer."""
+        if self.stream is None:
+            return
+        try:
+            self.stream.write("".join(lines))
+            self.stream.flush()
+        except (OSError, ValueError) as exc:
+            log.error("audit log %s: cannot write the copy to the output stream: %s", self.path, exc)
+
+    def _checkpoint(self) -> None:
+        """A signed checkpoint of the head, unless the last one already names it."""
+        if self.checkpointer is None or self._checkpointed == (self.seq, self.head):
+            return
+        self._emit([stream_line("checkpoint", self.checkpointer.sign(self.path, self.seq, self.head))])
+        self._checkpointed = (self.seq, self.head)
 
     def _flush(self, chunk: bytes | bytearray) -> None:
         view = memoryview(chunk)
@@ -324,6 +369,8 @@ class VerifyResult:
     starts_at_genesis: bool = False
     problem: Problem | None = None
     unreadable: str | None = None
+    # seq -> hash of every record read (first occurrence), broken chain or not, for the checkpoints.
+    hashes: dict[int, str] = field(default_factory=dict)
 
     @property
     def intact(self) -> bool:
@@ -389,6 +436,9 @@ def verify_files(paths: Sequence[str | Path]) -> VerifyResult:
     if entries is None:
         return result
     positions = {entry.record["seq"]: entry for entry in entries if entry.record is not None}
+    for entry in entries:
+        if entry.record is not None:
+            result.hashes.setdefault(entry.record["seq"], str(entry.record.get("hash")))
     previous: dict[str, Any] | None = None
     for entry in entries:
         record = entry.record

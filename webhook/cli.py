@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import defaults
+
+if TYPE_CHECKING:
+    from .audit import VerifyResult
+    from .audit_checkpoints import Finding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"rotated audit files to keep (default {defaults.AUDIT_BACKUPS})",
     )
     parser.add_argument(
+        "--audit-signing-key",
+        type=Path,
+        help="the webhook's own Ed25519 private key (PEM): signed checkpoints of the audit chain head go to stdout",
+    )
+    parser.add_argument(
+        "--audit-checkpoint-interval",
+        type=float,
+        default=defaults.AUDIT_CHECKPOINT_INTERVAL,
+        help=f"seconds between checkpoints while records arrive (default {defaults.AUDIT_CHECKPOINT_INTERVAL:g})",
+    )
+    parser.add_argument(
         "--client-ca",
         type=Path,
         help="CA that signs the API server's client certificate; admission paths then require one",
@@ -49,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
             audit_log=args.audit_log,
             audit_max_bytes=args.audit_max_bytes,
             audit_backups=args.audit_backups,
+            audit_signing_key=args.audit_signing_key,
+            audit_checkpoint_interval=args.audit_checkpoint_interval,
             client_ca=args.client_ca,
         )
     )
@@ -59,11 +77,63 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     verify = actions.add_parser(
         "verify",
         help="recompute the hash chain and name the first altered, dropped or reordered record",
-        description="Exit 0: intact; 1: broken (the first broken record is named); 2: a file cannot be read.",
+        description="Exit 0: intact; 1: broken (the first broken record is named, and every checkpoint the "
+        "files contradict: truncated, rewritten, gaps); 2: a file or key cannot be read, or bad usage.",
     )
     verify.add_argument(
         "files", nargs="+", type=Path, metavar="FILE", help="audit log files (rotated files in any order)"
     )
+    verify.add_argument(
+        "--checkpoints",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="F",
+        help="the webhook's stdout (kubectl logs, or the log collector's copy) holding its signed checkpoints",
+    )
+    verify.add_argument(
+        "--public-key",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="F",
+        help="the webhook's audit public key (PEM); needed with --checkpoints; repeatable across key rotation",
+    )
+    verify.add_argument("--host", help="the pod whose checkpoints to use, where F holds several replicas'")
+
+
+def _checkpoint_findings(args: argparse.Namespace, result: VerifyResult) -> list[Finding] | int:
+    """The checkpoints' findings, or an exit code after an error message."""
+    from . import audit_checkpoints as cps
+
+    if not args.checkpoints:
+        return []
+    if not args.public_key:
+        print("scrubgate audit verify: --checkpoints needs --public-key (the webhook's audit key)", file=sys.stderr)
+        return 2
+    try:
+        keys = cps.load_public_keys(args.public_key)
+        found = [cp for path in args.checkpoints for cp in cps.read_checkpoints(path)]
+    except (OSError, ValueError) as exc:
+        print(f"scrubgate audit verify: {exc}", file=sys.stderr)
+        return 2
+    hosts = sorted({cp.host for cp in found})
+    if args.host is None and len(hosts) > 1:
+        print(
+            f"scrubgate audit verify: the checkpoints come from {len(hosts)} replicas ({', '.join(hosts)}); "
+            "name the pod the files came from with --host",
+            file=sys.stderr,
+        )
+        return 2
+    if not found or (args.host is not None and args.host not in hosts):
+        print(
+            f"scrubgate audit verify: no checkpoint{' of ' + args.host if args.host else ''} in "
+            f"{', '.join(map(str, args.checkpoints))}; was the webhook started with --audit-signing-key?",
+            file=sys.stderr,
+        )
+        return 2
+    mine = [cp for cp in found if args.host is None or cp.host == args.host]
+    return cps.check(mine, result.hashes, keys)
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -73,11 +143,23 @@ def run_audit(args: argparse.Namespace) -> int:
     if result.unreadable is not None:
         print(f"scrubgate audit verify: cannot read {result.unreadable}", file=sys.stderr)
         return 2
+    findings = _checkpoint_findings(args, result)
+    if isinstance(findings, int):
+        return findings
+    for finding in findings:
+        if finding.kind != "matched":
+            print(f"{'BROKEN' if finding.broken else 'note'} ({finding.where}): {finding.message}")
+    matched = [f for f in findings if f.kind == "matched"]
+    if matched:
+        print(f"{len(matched)} signed checkpoint(s) match the files; the latest: {matched[-1].message}")
+    broken_checkpoints = any(f.broken for f in findings)
     if result.problem is not None:
         p = result.problem
         seq = f" (seq {p.seq})" if p.seq is not None else ""
         print(f"BROKEN at {p.file}:{p.line}{seq}: {p.what}")
         print(f"{result.records} record(s) before it verified")
+        return 1
+    if broken_checkpoints:
         return 1
     if result.records == 0:
         print(f"intact: no records in {len(result.files)} file(s)")

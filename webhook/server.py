@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from . import defaults
 from .app import CLIENT_VERIFIED, LogAuditSink, WebhookState, create_app
 from .audit import AuditLog, AuditLogError
+from .audit_checkpoints import Checkpointer
 from .metrics import Metrics
 from .policy_reload import PolicySource
 from .tls import ServingTLS, TLSConfigError
@@ -100,6 +101,8 @@ class Settings:
     audit_log: Path | None = None
     audit_max_bytes: int = defaults.AUDIT_MAX_BYTES
     audit_backups: int = defaults.AUDIT_BACKUPS
+    audit_signing_key: Path | None = None
+    audit_checkpoint_interval: float = defaults.AUDIT_CHECKPOINT_INTERVAL
     client_ca: Path | None = None
     watch_interval: float = 2.0
 
@@ -111,8 +114,21 @@ def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
     policy = PolicySource(settings.policy, metrics)
     tls = ServingTLS(settings.tls_cert, settings.tls_key, client_ca=settings.client_ca, metrics=metrics)
     audit = None
+    if settings.audit_signing_key is not None and settings.audit_log is None:
+        raise ValueError("--audit-signing-key signs the chain of --audit-log; give --audit-log as well")
     if settings.audit_log is not None:
-        audit = AuditLog(settings.audit_log, max_bytes=settings.audit_max_bytes, backups=settings.audit_backups)
+        checkpointer = None
+        if settings.audit_signing_key is not None:
+            checkpointer = Checkpointer.from_file(
+                settings.audit_signing_key, interval=settings.audit_checkpoint_interval
+            )
+        audit = AuditLog(
+            settings.audit_log,
+            max_bytes=settings.audit_max_bytes,
+            backups=settings.audit_backups,
+            stream=sys.stdout,
+            checkpointer=checkpointer,
+        )
         audit.open()
     state = WebhookState(
         policy=policy,
