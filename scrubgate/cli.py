@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from . import __version__
 
-FORMATS = ("text", "json", "sarif", "junit")
+FORMATS = ("text", "json", "sarif", "junit", "policyreport")
 
 
 def _tenancy(value: str) -> tuple[str, bool]:
@@ -39,6 +39,13 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         metavar="NS=trusted",
         help="treat a namespace as trusted (single-tenant) or multi-tenant; repeatable",
     )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="check the objects already in the cluster (read-only list calls) instead of files",
+    )
+    p.add_argument("--kubeconfig", help="with --cluster: kubeconfig file (default: KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", help="with --cluster: kubeconfig context (default: the current one)")
     p.set_defaults(handler=run_check_command)
 
 
@@ -54,12 +61,31 @@ def run_check_command(args: argparse.Namespace) -> int:
     if args.in_place and "-" in args.paths:
         print("scrubgate check: --fix --in-place cannot rewrite stdin; drop --in-place", file=sys.stderr)
         return 2
+    if args.cluster and (args.fix or args.paths != ["-"]):
+        print("scrubgate check: --cluster reads the cluster only: drop the PATHs and --fix", file=sys.stderr)
+        return 2
+    if not args.cluster and (args.kubeconfig or args.context):
+        print("scrubgate check: --kubeconfig and --context go with --cluster", file=sys.stderr)
+        return 2
     try:
         policy = load_policy(args.policy)
     except PolicyError as exc:
         print(f"scrubgate check: {exc}", file=sys.stderr)
         return 2
-    result = run_check(args.paths, policy, dict(args.namespace_tenancy))
+    if args.cluster:
+        from .cluster import ApiError, KubeApi, check_cluster
+
+        try:
+            result, notes = check_cluster(
+                KubeApi.connect(args.kubeconfig, args.context), policy, dict(args.namespace_tenancy)
+            )
+        except ApiError as exc:
+            print(f"scrubgate check: {exc}", file=sys.stderr)
+            return 2
+        for note in notes:
+            print(f"scrubgate check: note: {note}", file=sys.stderr)
+    else:
+        result = run_check(args.paths, policy, dict(args.namespace_tenancy))
     report = build_report(result)
     out = sys.stdout
     if args.fix:
@@ -78,6 +104,10 @@ def run_check_command(args: argparse.Namespace) -> int:
         rendered = render_json(report)
     elif args.format == "sarif":
         rendered = render_sarif(report)
+    elif args.format == "policyreport":
+        from .policyreport import render_policyreport
+
+        rendered = render_policyreport(result)
     elif args.format == "junit":
         rendered = render_junit(result, report)
     else:
@@ -103,6 +133,7 @@ COMPONENTS = (
     ("agent", "run or inspect the node agent", "scrubgate.sanitizer_agent.cli", "add_arguments", "run"),
     ("certs", "generate the webhook's CA and serving certificate", "scrubgate.certs.cli", "add_arguments", "run"),
     ("audit", "verify the audit log's hash chain", "scrubgate.webhook.cli", "add_audit_arguments", "run_audit"),
+    ("reports", "keep PolicyReports of the cluster's objects up to date", "scrubgate.reports", "add_arguments", "run"),
 )
 
 

@@ -1,0 +1,106 @@
+"""Findings as `wgpolicyk8s.io/v1alpha2` PolicyReports (one per namespace) and a ClusterPolicyReport (for
+cluster-scoped objects), the format Kyverno and Kubewarden write and policy-reporter shows.
+
+Fields follow the CRD of kubernetes-sigs/wg-policy-prototypes (policy-report/crd/v1alpha2): results
+carry `policy` (required), `rule`, `category`, `message`, `properties` (string values), `resources`
+(object references), `result` (pass, fail, warn, error, skip), `scored`, `severity` (high, medium, low),
+`source` and `timestamp` ({seconds, nanos}); `summary` counts results. Only findings are listed: objects
+without one add no `pass` result, so that a report stays the size of what needs doing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+
+from scrubgate.policies.engine import Finding
+
+from .check import CheckResult
+
+API_VERSION = "wgpolicyk8s.io/v1alpha2"
+REPORT_NAME = "scrubgate"
+SOURCE = "scrubgate"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "scrubgate"}
+CATEGORY = "GPU isolation"
+# deny: the webhook refuses such a write; audit: recorded, not enforced, still a requirement not met.
+RESULT = {"deny": "fail", "warn": "warn", "audit": "fail"}
+SEVERITY = {"deny": "high", "warn": "medium", "audit": "low"}
+CLUSTER_SCOPE = ""
+
+
+def _result(finding: Finding, obj: dict[str, Any], moment: datetime) -> dict[str, Any]:
+    meta = obj.get("metadata") or {}
+    resource = {"apiVersion": obj.get("apiVersion", ""), "kind": obj.get("kind", ""), "name": meta.get("name", "")}
+    if meta.get("namespace"):
+        resource["namespace"] = meta["namespace"]
+    if meta.get("uid"):
+        resource["uid"] = meta["uid"]
+    properties = {"rule-name": finding.name, "action": finding.action}
+    if finding.path:
+        properties["path"] = finding.path
+    return {
+        "policy": SOURCE,
+        "rule": finding.rule,
+        "category": CATEGORY,
+        "message": finding.message,
+        "properties": properties,
+        "resources": [resource],
+        "result": RESULT[finding.action],
+        "scored": True,
+        "severity": SEVERITY[finding.action],
+        "source": SOURCE,
+        "timestamp": {"seconds": int(moment.timestamp()), "nanos": 0},
+    }
+
+
+def _summary(results: list[dict[str, Any]]) -> dict[str, int]:
+    summary = dict.fromkeys(("pass", "fail", "warn", "error", "skip"), 0)
+    for result in results:
+        summary[result["result"]] += 1
+    return summary
+
+
+def report(namespace: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The PolicyReport of `namespace`, or the ClusterPolicyReport for CLUSTER_SCOPE."""
+    metadata: dict[str, Any] = {"name": REPORT_NAME, "labels": dict(MANAGED_BY)}
+    if namespace != CLUSTER_SCOPE:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PolicyReport" if namespace != CLUSTER_SCOPE else "ClusterPolicyReport",
+        "metadata": metadata,
+        "results": results,
+        "summary": _summary(results),
+    }
+
+
+def build_reports(
+    result: CheckResult, now: datetime | None = None, *, default_namespace: str = "default"
+) -> dict[str, dict[str, Any]]:
+    """Namespace ("" for the cluster) -> its report, for every namespace with a finding; the
+    ClusterPolicyReport is always there, so that a reader sees the scan ran."""
+    moment = now or datetime.now(UTC)
+    by_namespace: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for checked in result.objects:
+        obj = checked.document.obj
+        namespace = (obj.get("metadata") or {}).get("namespace")
+        if namespace is None and _namespaced(obj):
+            namespace = default_namespace  # a manifest without one: where kubectl would create it
+        for finding in checked.findings:
+            by_namespace[namespace or CLUSTER_SCOPE].append(_result(finding, obj, moment))
+    by_namespace.setdefault(CLUSTER_SCOPE, [])
+    return {namespace: report(namespace, results) for namespace, results in sorted(by_namespace.items())}
+
+
+def _namespaced(obj: dict[str, Any]) -> bool:
+    # Every kind the rules read is namespaced except scrubgate's fences (DeviceTaintRules).
+    return obj.get("kind") not in ("DeviceTaintRule", "Namespace")
+
+
+def render_policyreport(result: CheckResult, now: datetime | None = None) -> str:
+    """`scrubgate check --format policyreport`: the reports as a YAML stream, ready for `kubectl apply -f -`."""
+    reports = build_reports(result, now).values()
+    return yaml.safe_dump_all(list(reports), sort_keys=False, default_flow_style=False).rstrip("\n")

@@ -1,0 +1,235 @@
+"""`scrubgate check --cluster`, `--format policyreport` and the `scrubgate reports` rounds, over an
+in-memory API (tests/kube_fake.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kube_fake import FakeApi
+from scrubgate.policies.config import load_policy
+
+from scrubgate import cli, reports
+from scrubgate.cluster import CHECKED_KINDS, KubeApi, check_cluster, read_cluster
+from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
+from scrubgate.policyreport import build_reports
+
+CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
+PODS = "/api/v1/pods"
+NAMESPACES = "/api/v1/namespaces"
+POLICY_REPORTS = "/apis/wgpolicyk8s.io/v1alpha2/policyreports"
+
+
+def claim(namespace: str, name: str, *, retain: bool = False, finalizer: bool = True) -> dict:
+    meta: dict = {"namespace": namespace, "name": name, "uid": f"uid-{namespace}-{name}"}
+    if retain:
+        meta["annotations"] = {"scrubgate.dev/deallocation-policy": "Retain"}
+    if finalizer:
+        meta["finalizers"] = ["scrubgate.dev/sanitize"]
+    return {
+        "metadata": meta,
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+    }
+
+
+def namespace(name: str, trusted: bool = False) -> dict:
+    return {"metadata": {"name": name, "labels": {"scrubgate.dev/tenancy": "trusted"} if trusted else {}}}
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    """Objects created before the webhook: a Retain claim in a multi-tenant namespace (SG001), a claim
+    without the finalizer (SG004), the same Retain claim in a trusted namespace (allowed), and a bad
+    claim in kube-system (left alone, as the webhooks leave it)."""
+    fake = FakeApi()
+    for ns in (namespace("team-a"), namespace("lab", trusted=True), namespace("kube-system")):
+        fake.add(NAMESPACES, ns)
+    fake.add(CLAIMS, claim("team-a", "sticky", retain=True))
+    fake.add(CLAIMS, claim("team-a", "old", finalizer=False))
+    fake.add(CLAIMS, claim("lab", "sticky", retain=True))
+    fake.add(CLAIMS, claim("kube-system", "sticky", retain=True))
+    for i in range(5):
+        fake.add(PODS, {"metadata": {"namespace": "team-a", "name": f"web-{i}"}, "spec": {"containers": []}})
+    return fake
+
+
+def findings(result) -> set[tuple[str, str, str]]:
+    return {
+        (c.document.obj["metadata"]["namespace"], c.document.obj["metadata"]["name"], f.rule)
+        for c in result.objects
+        for f in c.findings
+    }
+
+
+def test_check_cluster_reports_what_was_there_before_the_webhook(api):
+    result, notes = check_cluster(api, load_policy(None))
+    assert findings(result) == {("team-a", "sticky", "SG001"), ("team-a", "old", "SG004")}
+    assert notes == []
+    assert result.exit_code == 1  # SG001 denies
+    assert api.writes() == []  # read-only
+
+
+def test_lists_are_paginated_with_limit_and_continue(api):
+    snapshot = read_cluster(api, page_size=2)
+    pod_calls = [query for method, path, query in api.calls if path == PODS]
+    assert [q.get("continue") for q in pod_calls] == [None, "2", "4"]
+    assert all(q["limit"] == "2" for q in pod_calls)
+    assert sum(1 for kind, _ in snapshot.objects if kind.kind == "Pod") == 5
+    # List items come without apiVersion and kind; the engine gets both.
+    assert {(o["apiVersion"], o["kind"]) for kind, o in snapshot.objects if kind.plural == "resourceclaims"} == {
+        ("resource.k8s.io/v1", "ResourceClaim")
+    }
+
+
+def test_the_served_dra_version_is_the_one_listed():
+    api = FakeApi(dra_versions=("v1beta2", "v1beta1"))
+    api.add("/apis/resource.k8s.io/v1beta2/resourceclaims", claim("team-a", "sticky", retain=True))
+    result, _ = check_cluster(api, load_policy(None))
+    assert findings(result) == {("team-a", "sticky", "SG001")}
+
+
+def test_a_cluster_without_dra_is_checked_without_claims():
+    api = FakeApi(dra_versions=())
+    result, notes = check_cluster(api, load_policy(None))
+    assert result.objects == [] and result.exit_code == 0
+    assert notes and "claims not checked" in notes[0]
+    assert not any("resource.k8s.io/" in path for _, path, _ in api.calls)
+
+
+def test_policyreports_follow_the_v1alpha2_crd(api):
+    result, _ = check_cluster(api, load_policy(None))
+    moment = datetime(2026, 12, 3, 8, 0, tzinfo=UTC)
+    built = build_reports(result, moment)
+    assert set(built) == {"", "team-a"}
+    cluster, team = built[""], built["team-a"]
+    assert (cluster["kind"], cluster["results"], "namespace" in cluster["metadata"]) == (
+        "ClusterPolicyReport",
+        [],
+        False,
+    )
+    assert team["kind"] == "PolicyReport" and team["metadata"]["namespace"] == "team-a"
+    assert team["summary"] == {"pass": 0, "fail": 1, "warn": 1, "error": 0, "skip": 0}
+    sg001 = next(r for r in team["results"] if r["rule"] == "SG001")
+    assert sg001["result"] == "fail" and sg001["severity"] == "high" and sg001["policy"] == "scrubgate"
+    assert sg001["resources"] == [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "name": "sticky",
+            "namespace": "team-a",
+            "uid": "uid-team-a-sticky",
+        }
+    ]
+    assert sg001["timestamp"] == {"seconds": int(moment.timestamp()), "nanos": 0}
+    assert all(isinstance(v, str) for v in sg001["properties"].values())
+
+
+def test_reports_are_created_kept_updated_and_deleted(api):
+    policy = load_policy(None)
+    _, done = reports.reconcile(api, policy)
+    assert done == {"": "created", "team-a": "created"}
+    first = api.request("GET", "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-a/policyreports/scrubgate")
+    api.calls.clear()
+    time.sleep(1.1)  # a later second: only a changed result may carry a new timestamp
+    _, done = reports.reconcile(api, policy)
+    assert done == {"": "unchanged", "team-a": "unchanged"} and api.writes() == []
+    # A new finding: the report is updated, the old results keep the time they were first found.
+    api.add(CLAIMS, claim("team-a", "another", retain=True))
+    _, done = reports.reconcile(api, policy)
+    assert done["team-a"] == "updated"
+    second = api.request("GET", "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-a/policyreports/scrubgate")
+    old_times = {r["resources"][0]["name"] + r["rule"]: r["timestamp"] for r in first["results"]}
+    for result in second["results"]:
+        key = result["resources"][0]["name"] + result["rule"]
+        if key in old_times:
+            assert result["timestamp"] == old_times[key]
+        else:
+            assert result["timestamp"]["seconds"] > next(iter(old_times.values()))["seconds"]
+    # The namespace's violations are fixed: its report goes.
+    api.collections[CLAIMS] = [c for c in api.collections[CLAIMS] if c["metadata"]["namespace"] != "team-a"]
+    _, done = reports.reconcile(api, policy)
+    assert done == {"": "unchanged", "team-a": "deleted"}
+    assert api.collections[POLICY_REPORTS] == []
+
+
+def test_a_change_starts_a_round_before_the_interval(api):
+    api.events[PODS] = [{"type": "BOOKMARK", "object": {}}, {"type": "MODIFIED", "object": {}}]
+    stop = threading.Event()
+    thread = threading.Thread(target=reports.run_rounds, args=(api, None, 3600.0, stop), kwargs={"quiet_s": 0.0})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sum(1 for m, p, _ in api.calls if (m, p) == ("GET", NAMESPACES)) < 2:
+            assert time.monotonic() < deadline, "no second round after the watch saw a change"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=20)
+    watch = next(q for m, p, q in api.calls if (m, p) == ("WATCH", PODS))
+    assert watch["watch"] == "true" and watch["resourceVersion"]
+
+
+def test_check_cluster_cli(api, monkeypatch, capsys):
+    connected = []
+    monkeypatch.setattr(KubeApi, "connect", classmethod(lambda cls, kc, ctx: connected.append((kc, ctx)) or api))
+    code = cli.main(["check", "--cluster", "--kubeconfig", "kc.yaml", "--context", "lab", "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and connected == [("kc.yaml", "lab")]
+    assert {(f["object"]["name"], f["rule"]["id"]) for f in out["findings"]} == {("sticky", "SG001"), ("old", "SG004")}
+    assert cli.main(["check", "--cluster", "--format", "policyreport"]) == 1
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ClusterPolicyReport", "PolicyReport"]
+
+
+def test_check_cluster_refuses_paths_and_fix(capsys):
+    assert cli.main(["check", "--cluster", "manifests/"]) == 2
+    assert "--cluster reads the cluster only" in capsys.readouterr().err
+    assert cli.main(["check", "--kubeconfig", "kc.yaml", "manifests/"]) == 2
+
+
+REPORTS_COMPONENT = Path(__file__).resolve().parents[1] / "manifests" / "components" / "reports"
+
+
+def component_docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((REPORTS_COMPONENT / name).read_text()) if d]
+
+
+def test_reports_validate_against_the_shipped_crds(api):
+    result, _ = check_cluster(api, load_policy(None))
+    schemas = {
+        crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for crd in component_docs("crds.yaml")
+    }
+    built = build_reports(result)
+    for report in built.values():
+        jsonschema.validate(report, schemas[report["kind"]])
+    broken = {**built["team-a"], "results": [{**built["team-a"]["results"][0], "result": "deny"}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schemas["PolicyReport"])
+
+
+def test_the_reports_role_lists_and_watches_every_kind_it_reads():
+    role = next(d for d in component_docs("rbac.yaml") if d["kind"] == "ClusterRole")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for kind in (NAMESPACE_KIND, *CHECKED_KINDS):
+        assert {(kind.group, kind.plural, "list"), (kind.group, kind.plural, "watch")} <= granted, kind
+    assert not {verb for group, _, verb in granted if group != "wgpolicyk8s.io"} - {"list", "watch"}
+
+
+@pytest.mark.parametrize("name", ["crds.yaml", "rbac.yaml", "deployment.yaml"])
+def test_reports_component_validates(name):
+    for doc in component_docs(name):
+        kubernetes_validate.validate(doc, "1.34", strict=True)
