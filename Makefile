@@ -34,3 +34,18 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+.PHONY: helm-bin chart-schema image
+
+# helm, built from its Go module (tools/helm/go.mod) into ~/.cache/scrubgate/helm/v<version>/helm; the chart
+# tests (tests/test_chart.py) build it on first use as well.
+helm-bin:
+	tools/build-helm.sh >/dev/null
+
+# charts/scrubgate/values.schema.json from the policy's own schema (after a change to policies/config.py).
+chart-schema: $(STAMP)
+	$(BIN)/python tools/chart_schema.py
+
+# The one image for webhook, agent and reports (needs a container engine; not used by the tests).
+image:
+	docker build -t ghcr.io/scrubgate/scrubgate:$$(sed -n 's/^__version__ = "\(.*\)"/\1/p' scrubgate/__init__.py) .

@@ -1,0 +1,410 @@
+"""The Helm chart in charts/scrubgate: lints, renders what the kustomize base renders (it reads the base's
+own files), passes `scrubgate check` and strict schema validation, and turns each value into what it says.
+helm is built from its Go module by tools/build-helm.sh (cached by version)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import glob
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from scrubgate.certs import generate as gen
+from scrubgate.policies.attestation import public_key_pem
+from scrubgate.policies.config import PolicyConfig, load_policy
+
+from scrubgate import __version__
+from scrubgate.check import run_check
+from tools import chart_schema
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "scrubgate"
+IMAGE = f"ghcr.io/scrubgate/scrubgate:{__version__}"
+NAMESPACE = "scrubgate-system"
+HELM_LABELS = {"app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "helm.sh/chart"}
+
+# Building helm the first time takes minutes on two cores; later runs find it in the cache.
+pytestmark = pytest.mark.timeout(1800)
+
+Doc = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    result = subprocess.run(
+        [str(REPO / "tools" / "build-helm.sh")], capture_output=True, text=True, timeout=1700, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def run_helm(helm: str, *args: str, chart: Path = CHART) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm, "template", "scrubgate", str(chart), "-n", NAMESPACE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def render(helm: str, *args: str, chart: Path = CHART) -> list[Doc]:
+    result = run_helm(helm, *args, chart=chart)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def one(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def webhooks(docs: list[Doc]) -> list[Doc]:
+    return [w for d in docs if d["kind"].endswith("WebhookConfiguration") for w in d["webhooks"]]
+
+
+@pytest.fixture(scope="module")
+def default(helm: str) -> list[Doc]:
+    return render(helm, "--include-crds")
+
+
+# --- lint, check, schema ---------------------------------------------------------------------------
+
+
+def test_chart_lints(helm: str):
+    result = subprocess.run(
+        [helm, "lint", "--strict", str(CHART), "-n", NAMESPACE], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_render_passes_scrubgate_check(helm: str, tmp_path: Path):
+    rendered = tmp_path / "chart.yaml"
+    rendered.write_text(run_helm(helm, "--set", "metrics.enabled=true").stdout)
+    result = run_check([str(rendered)], load_policy(None))
+    assert result.errors == [] and result.objects
+    assert [f for o in result.objects for f in o.findings] == []
+
+
+@pytest.mark.parametrize("version", ["1.34", kubernetes_validate.utils.latest_version()])
+def test_render_validates_strictly(default: list[Doc], version: str):
+    for doc in default:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_values_schema_is_the_generated_one():
+    assert (CHART / "values.schema.json").read_text() == chart_schema.render(), (
+        "values.schema.json is stale: run .venv/bin/python tools/chart_schema.py"
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "complaint"),
+    [
+        ("policy.rules.SG004.action=block", "/policy/rules/SG004/action"),
+        ("policy.gpuDeviceClass=x", "gpuDeviceClass"),
+        ("certs.source=vault", "/certs/source"),
+        ("webhook.replica=3", "replica"),
+    ],
+)
+def test_values_outside_the_schema_are_refused(helm: str, setting: str, complaint: str):
+    result = run_helm(helm, "--set", setting)
+    assert result.returncode != 0 and complaint in result.stderr
+
+
+def test_other_namespaces_are_refused(helm: str):
+    result = subprocess.run(
+        [helm, "template", "scrubgate", str(CHART), "-n", "default"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "install into the namespace scrubgate-system" in result.stderr
+
+
+# --- one source of truth with the kustomize base ------------------------------------------------
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl") or next(
+        iter(sorted(glob.glob(str(Path.home() / ".cache/scrubgate/k8s/*/bin/kubectl")))), None
+    )
+    if found is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize base (make cluster-bins builds one)")
+    return found
+
+
+def comparable(doc: Doc) -> Doc:
+    """What the chart adds on purpose removed: its labels, the caBundle, the policy ConfigMap's name
+    (kustomize hashes it, the chart rolls the pods with a checksum annotation instead)."""
+    doc = copy.deepcopy(doc)
+    labels = doc["metadata"].get("labels", {})
+    for key in HELM_LABELS:
+        labels.pop(key, None)
+    for hook in doc.get("webhooks", []):
+        hook["clientConfig"].pop("caBundle", None)
+    pod = doc.get("spec", {}).get("template", {})
+    pod.get("metadata", {}).get("annotations", {}).pop("checksum/policy", None)
+    if pod.get("metadata", {}).get("annotations") == {}:
+        del pod["metadata"]["annotations"]
+    for volume in pod.get("spec", {}).get("volumes", []):
+        if volume.get("configMap", {}).get("name", "").startswith("scrubgate-policy"):
+            volume["configMap"]["name"] = "scrubgate-policy"
+    if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("scrubgate-policy"):
+        doc["metadata"]["name"] = "scrubgate-policy"
+        doc["data"] = {"policy.yaml": PolicyConfig.model_validate(yaml.safe_load(doc["data"]["policy.yaml"]))}
+    return doc
+
+
+def test_default_render_is_the_kustomize_base(default: list[Doc]):
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(REPO / "manifests")], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    base = {
+        (c["kind"], c["metadata"]["name"]): c for d in yaml.safe_load_all(result.stdout) if d for c in [comparable(d)]
+    }
+    chart = {(d["kind"], d["metadata"]["name"]): comparable(d) for d in default}
+    # The namespace comes from --create-namespace (namespace.create renders it); the chart adds the TLS
+    # Secret it generates and, with reports.enabled, the reports Deployment, its RBAC and CRDs.
+    assert set(base) - set(chart) == {("Namespace", NAMESPACE)}
+    assert {kind for kind, _ in set(chart) - set(base)} <= {
+        "Secret",
+        "Deployment",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+    }
+    for key in sorted(set(base) & set(chart)):
+        assert chart[key] == base[key], key
+
+
+def test_the_chart_follows_the_base_and_refuses_what_it_cannot_render(helm: str, tmp_path: Path):
+    chart = tmp_path / "scrubgate"
+    shutil.copytree(CHART, chart, symlinks=False)  # the base's files, copied in
+    base = chart / "files" / "manifests"
+    (base / "extra.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: scrubgate-extra\ndata: {a: b}\n"
+    )
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    kustomization["resources"].append("extra.yaml")
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    extra = one(render(helm, chart=chart), "ConfigMap", "scrubgate-extra")
+    assert extra["metadata"]["namespace"] == NAMESPACE
+    assert extra["metadata"]["labels"]["app.kubernetes.io/part-of"] == "scrubgate"
+    kustomization["resources"].append("more/")
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = run_helm(helm, chart=chart)
+    assert result.returncode != 0 and '"more/"' in result.stderr
+
+
+def test_crds_are_the_reports_components(default: list[Doc]):
+    shipped = [d for d in yaml.safe_load_all((REPO / "manifests/components/reports/crds.yaml").read_text()) if d]
+    assert [d for d in default if d["kind"] == "CustomResourceDefinition"] == shipped
+
+
+def test_image_and_version(default: list[Doc]):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == __version__
+    containers = [
+        c for d in default for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    ]
+    assert len(containers) == 3 and {c["image"] for c in containers} == {IMAGE}
+
+
+# --- values ---------------------------------------------------------------------------------------
+
+
+def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
+    secret = one(default, "Secret", "scrubgate-webhook-tls")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    serving.verify_directly_issued_by(ca)
+    sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert sorted(sans) == sorted(gen.service_sans())
+    bundles = {w["clientConfig"]["caBundle"] for w in webhooks(default)}
+    assert bundles == {secret["data"]["ca.crt"]}
+
+
+def test_cert_manager_source(helm: str):
+    docs = render(helm, "--set", "certs.source=cert-manager")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert {d["kind"] for d in docs if d["apiVersion"].startswith("cert-manager.io/")} == {"Issuer", "Certificate"}
+    for doc in docs:
+        if doc["kind"].endswith("WebhookConfiguration"):
+            assert (
+                doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/scrubgate-webhook-tls"
+            )
+            assert all("caBundle" not in w["clientConfig"] for w in doc["webhooks"])
+
+
+def test_provided_source_needs_the_ca(helm: str, tmp_path: Path):
+    result = run_helm(helm, "--set", "certs.source=provided")
+    assert result.returncode != 0 and "certs.provided.caBundle" in result.stderr
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    docs = render(helm, "--set", "certs.source=provided", "--set-file", f"certs.provided.caBundle={ca}")
+    assert {w["clientConfig"]["caBundle"] for w in webhooks(docs)} == {base64.b64encode(ca.read_bytes()).decode()}
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+def test_policy_values_merge_over_the_default(helm: str, tmp_path: Path):
+    values = tmp_path / "values.yaml"
+    key = public_key_pem(Ed25519PrivateKey.generate())
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "policy": {
+                    "gpuDeviceClasses": ["gpu.example.com"],
+                    "tenancy": {"label": "example.com/tenancy", "trustedValue": "single"},
+                    "rules": {"SG004": {"action": "deny"}},
+                    "adminGroups": ["gpu-admins"],
+                    "attestationKeys": [{"kid": "agent-1", "publicKey": key}],
+                }
+            }
+        )
+    )
+    docs = render(helm, "-f", str(values))
+    text = one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"]
+    policy = PolicyConfig.model_validate(yaml.safe_load(text))
+    default = load_policy(None)
+    assert policy.gpu_device_classes == ("gpu.example.com",)  # lists replace
+    assert policy.admin_groups == ("gpu-admins",) and [k.kid for k in policy.attestation_keys] == ["agent-1"]
+    assert policy.action("SG004") == "deny" and policy.action("SG001") == default.action("SG001")
+    assert policy.grace_period == default.grace_period  # untouched maps keep the default
+    # The tenancy split follows the label.
+    selectors = [e for w in webhooks(docs) for e in w.get("namespaceSelector", {}).get("matchExpressions", [])]
+    assert {(e["key"], tuple(e["values"])) for e in selectors if "tenancy" in e["key"]} == {
+        ("example.com/tenancy", ("single",))
+    }
+    # A new policy rolls the webhook pods.
+    old = one(render(helm), "Deployment", "scrubgate-webhook")["spec"]["template"]["metadata"]["annotations"]
+    new = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["metadata"]["annotations"]
+    assert old["checksum/policy"] != new["checksum/policy"]
+
+
+def test_webhook_values(helm: str):
+    docs = render(
+        helm,
+        "--set",
+        "webhook.replicas=3,webhook.resources.limits.memory=1Gi,webhook.audit.signingKeySecret=audit-key,"
+        "webhook.audit.checkpointIntervalSeconds=30,webhook.audit.maxBytes=4096,webhook.audit.backups=3",
+    )
+    deployment = one(docs, "Deployment", "scrubgate-webhook")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert deployment["spec"]["replicas"] == 3 and container["resources"]["limits"] == {"memory": "1Gi"}
+    args = container["args"]
+
+    def arg(flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert arg("--audit-signing-key") == "/etc/scrubgate/audit-key/ed25519.pem"
+    assert (arg("--audit-checkpoint-interval"), arg("--audit-max-bytes"), arg("--audit-backups")) == ("30", "4096", "3")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "audit-key")
+    assert "/etc/scrubgate/audit-key/ed25519.pem".startswith(mount["mountPath"])
+    assert next(v for v in pod["volumes"] if v["name"] == "audit-key")["secret"]["secretName"] == "audit-key"
+    assert args.count("--audit-log") == 1
+
+
+def test_agent_values(helm: str):
+    docs = render(
+        helm,
+        "--set",
+        "agent.runtimeClassName=,agent.gpuBackend=simulated,agent.signingKeySecret=other-key,"
+        "agent.nodeSelector.gpu=yes,agent.extraTolerations[0].key=dedicated,agent.extraTolerations[0].operator=Exists",
+    )
+    base_pod = one(render(helm), "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
+    pod = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in pod and base_pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"gpu": "yes", "nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [*base_pod["tolerations"], {"key": "dedicated", "operator": "Exists"}]
+    container = pod["containers"][0]
+    assert container["args"][container["args"].index("--gpu-backend") + 1] == "simulated"
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"other-key"}
+    key_id = next(e for e in container["env"] if e["name"] == "KEY_ID")
+    assert key_id["valueFrom"]["secretKeyRef"]["name"] == "other-key"
+
+
+def test_reports_and_metrics_toggles(helm: str, default: list[Doc]):
+    reports = one(default, "Deployment", "scrubgate-reports")
+    args = reports["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:1] == ["reports"] and args[args.index("--interval") + 1] == "5m"
+    docs = render(helm, "--set", "reports.enabled=false,metrics.enabled=true")
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "scrubgate-reports") not in names and ("ClusterRole", "scrubgate-reports") not in names
+    assert {
+        ("PodMonitor", "scrubgate-agent"),
+        ("PodMonitor", "scrubgate-webhook"),
+        ("PrometheusRule", "scrubgate"),
+    } <= names
+    dashboard = one(docs, "ConfigMap", "scrubgate-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["scrubgate.json"] == (REPO / "dashboards" / "scrubgate.json").read_text()
+
+
+def test_local_values_call_a_host_process(helm: str, tmp_path: Path):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    docs = render(
+        helm,
+        "-f",
+        str(CHART / "values-local.yaml"),
+        "--set",
+        "webhook.url=https://10.0.0.1:9443/",
+        "--set-file",
+        f"certs.provided.caBundle={ca}",
+    )
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"Deployment", "DaemonSet", "Service", "PodDisruptionBudget", "Secret"}
+    urls = {w["clientConfig"]["url"] for w in webhooks(docs)}
+    assert urls == {
+        "https://10.0.0.1:9443/validate",
+        "https://10.0.0.1:9443/validate/trusted",
+        "https://10.0.0.1:9443/mutate",
+    }
+    assert all("service" not in w["clientConfig"] for w in webhooks(docs))
+
+
+# --- tools/build-helm.sh ----------------------------------------------------------------------------
+
+
+def helm_version() -> str:
+    gomod = (REPO / "tools" / "helm" / "go.mod").read_text()
+    return next(line.split()[1] for line in gomod.splitlines() if line.strip().startswith("helm.sh/helm/v4 "))
+
+
+def test_build_helm_reuses_its_cache(tmp_path: Path):
+    cached = tmp_path / "helm" / helm_version() / "helm"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("#!/bin/sh\n")
+    cached.chmod(0o755)
+    result = subprocess.run(
+        [str(REPO / "tools" / "build-helm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", "SCRUBGATE_CACHE": str(tmp_path)},  # no Go: nothing may be built
+    )
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(cached), "")
+
+
+def test_build_helm_without_go_says_what_to_do(tmp_path: Path):
+    result = subprocess.run(
+        [str(REPO / "tools" / "build-helm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", "SCRUBGATE_CACHE": str(tmp_path)},
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert "'go' is not on PATH" in result.stderr and "https://go.dev/doc/install" in result.stderr

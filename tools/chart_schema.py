@@ -1,0 +1,107 @@
+"""Writes charts/scrubgate/values.schema.json. The `policy` part is the policy's own schema (pydantic's,
+from scrubgate.policies.config.PolicyConfig), so that the chart refuses what `scrubgate webhook` would;
+tests/test_chart.py checks that the committed file is this script's output.
+
+    .venv/bin/python tools/chart_schema.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from scrubgate.policies.config import PolicyConfig
+
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "charts" / "scrubgate" / "values.schema.json"
+
+
+def _object(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "properties": properties, **extra}
+
+
+STRING = {"type": "string"}
+BOOL = {"type": "boolean"}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+QUANTITY = {"type": ["string", "number"]}
+RESOURCES = _object(
+    {
+        "requests": {"type": "object", "additionalProperties": QUANTITY},
+        "limits": {"type": "object", "additionalProperties": QUANTITY},
+    }
+)
+DURATION = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?[smh]?$"}
+
+
+def _policy() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy's schema without its $defs, and the $defs (they go to the top, where `#/$defs/` points).
+    Values are merged over the shipped default, so nothing in it is required."""
+    schema = PolicyConfig.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    schema.pop("required", None)
+    schema["description"] = "Merged over policies/default.yaml (maps merge, lists replace)."
+    return schema, definitions
+
+
+def build() -> dict[str, Any]:
+    policy, definitions = _policy()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "scrubgate chart values",
+        **_object(
+            {
+                "image": _object(
+                    {"repository": STRING, "tag": STRING, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}
+                ),
+                "namespace": _object({"create": BOOL}),
+                "policy": policy,
+                "webhook": _object(
+                    {
+                        "deploy": BOOL,
+                        "replicas": {"type": "integer", "minimum": 1},
+                        "resources": RESOURCES,
+                        "url": {"type": "string", "pattern": "^(https://.+)?$"},
+                        "audit": _object(
+                            {
+                                "maxBytes": {"type": ["integer", "null"], "minimum": 1024},
+                                "backups": {"type": ["integer", "null"], "minimum": 1},
+                                "signingKeySecret": STRING,
+                                "checkpointIntervalSeconds": {"type": "number", "exclusiveMinimum": 0},
+                            }
+                        ),
+                    }
+                ),
+                "certs": _object(
+                    {
+                        "source": {"enum": ["self-generated", "cert-manager", "provided"]},
+                        "validityDays": {"type": "integer", "minimum": 1},
+                        "provided": _object({"caBundle": STRING}),
+                    }
+                ),
+                "agent": _object(
+                    {
+                        "deploy": BOOL,
+                        "runtimeClassName": STRING,
+                        "gpuBackend": {"enum": ["nvml", "simulated"]},
+                        "nodeSelector": STRING_MAP,
+                        "extraTolerations": {"type": "array", "items": {"type": "object"}},
+                        "signingKeySecret": {"type": "string", "minLength": 1},
+                        "resources": RESOURCES,
+                    }
+                ),
+                "reports": _object({"enabled": BOOL, "interval": DURATION, "resources": RESOURCES}),
+                "metrics": _object({"enabled": BOOL, "dashboardLabels": STRING_MAP}),
+            }
+        ),
+        "$defs": definitions,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":
+    SCHEMA_FILE.write_text(render())
+    print(f"wrote {SCHEMA_FILE}", file=sys.stderr)
