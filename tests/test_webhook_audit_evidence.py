@@ -54,7 +54,10 @@ def _verify(tmp_path: Path, capsys, files: list[Path], stream: io.StringIO, *ext
     public.write_text(public_key_pem(KEY))
     parser = argparse.ArgumentParser()
     add_audit_arguments(parser)
-    argv = ["verify", *map(str, files), "--checkpoints", str(checkpoints), "--public-key", str(public), *extra]
+    if "--stream" in extra:  # the capture is the FILE; its checkpoints are read with it
+        argv = ["verify", *map(str, files), str(checkpoints), "--public-key", str(public), *extra]
+    else:
+        argv = ["verify", *map(str, files), "--checkpoints", str(checkpoints), "--public-key", str(public), *extra]
     code = run_audit(parser.parse_args(argv))
     captured = capsys.readouterr()
     return code, captured.out + captured.err
@@ -179,3 +182,24 @@ def test_checkpoints_of_several_replicas_need_host(tmp_path, capsys):
     assert code == 2 and "webhook-a, webhook-b" in out and "--host" in out
     code, out = _verify(tmp_path, capsys, [a], stream, "--host", "webhook-a")
     assert code == 0, out
+
+
+def test_the_stream_verifies_records_the_files_lost_to_rotation(tmp_path, capsys):
+    path, stream = tmp_path / "audit.jsonl", io.StringIO()
+    _session(path, stream, 30, max_bytes=1024, backups=1)
+    assert verify_files(sorted(tmp_path.glob("audit.jsonl*"))).first_seq > 1  # the files lost the oldest
+    other = io.StringIO()
+    _session(tmp_path / "b.jsonl", other, 3, host="webhook-b")  # another replica in the same capture
+    stream.write(other.getvalue())
+    code, out = _verify(tmp_path, capsys, [], stream, "--stream", "--host", "webhook-a")
+    assert code == 0, out
+    assert "intact: 30 record(s)" in out and "seq 1..30" in out and "starts at seq" not in out
+    assert "(seq 30) matches" in out
+
+
+def test_an_altered_record_in_the_stream_is_named(tmp_path, capsys):
+    path, stream = tmp_path / "audit.jsonl", io.StringIO()
+    _session(path, stream, 3)
+    text = stream.getvalue().replace('"uid":"req-1"', '"uid":"req-x"')
+    code, out = _verify(tmp_path, capsys, [], io.StringIO(text), "--stream")
+    assert code == 1 and "(seq 2): altered: the record does not match its hash" in out

@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .audit_checkpoints import Checkpointer, stream_line
+from .audit_checkpoints import STREAM_KEY, Checkpointer, stream_entries, stream_line
 from .defaults import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class AuditLog:
         self.backups = backups
         self.stream = stream
         self.checkpointer = checkpointer
+        self.host = checkpointer.host if checkpointer is not None else socket.gethostname()
         self._checkpointed: tuple[int, str] | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -295,7 +297,7 @@ class AuditLog:
                 item.future.set_exception(exc)
             return
         self.seq, self.head = seq, head
-        self._emit(stream_line("record", record) for _, record in written)
+        self._emit(stream_line("record", record, self.host) for _, record in written)
         for item, record in written:
             item.future.set_result(record)
 
@@ -313,7 +315,7 @@ class AuditLog:
         """A signed checkpoint of the head, unless the last one already names it."""
         if self.checkpointer is None or self._checkpointed == (self.seq, self.head):
             return
-        self._emit([stream_line("checkpoint", self.checkpointer.sign(self.path, self.seq, self.head))])
+        self._emit([stream_line("checkpoint", self.checkpointer.sign(self.path, self.seq, self.head), self.host)])
         self._checkpointed = (self.seq, self.head)
 
     def _flush(self, chunk: bytes | bytearray) -> None:
@@ -403,10 +405,28 @@ class _Entry:
     error: str | None
 
 
-def _read(paths: Iterable[Path], result: VerifyResult) -> list[_Entry] | None:
+def _read_stream(path: Path, host: str | None) -> list[_Entry]:
+    """The records among the stream's lines in `path` (of pod `host`, when given)."""
+    entries = []
+    for number, entry in stream_entries(path):
+        if entry[STREAM_KEY] != "record" or (host is not None and entry.get("host") != host):
+            continue
+        record = entry.get("record")
+        if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
+            entries.append(_Entry(str(path), number, None, "altered: not an audit record (no integer seq)"))
+        else:
+            entries.append(_Entry(str(path), number, record, None))
+    return entries
+
+
+def _read(paths: Iterable[Path], result: VerifyResult, stream: bool, host: str | None) -> list[_Entry] | None:
     entries = []
     for path in paths:
         try:
+            if stream:
+                entries += _read_stream(path, host)
+                result.files.append(str(path))
+                continue
             data = path.read_bytes()
         except OSError as exc:
             result.unreadable = f"{path}: {exc.strerror or exc}"
@@ -428,11 +448,12 @@ def _read(paths: Iterable[Path], result: VerifyResult) -> list[_Entry] | None:
     return entries
 
 
-def verify_files(paths: Sequence[str | Path]) -> VerifyResult:
+def verify_files(paths: Sequence[str | Path], *, stream: bool = False, host: str | None = None) -> VerifyResult:
     """Recomputes the chain over `paths` (rotated files of one log in any order, or files given in
-    chain order) and names the first record that was altered, dropped, reordered or duplicated."""
+    chain order; with `stream`, captures of the webhook's stdout, whose records of pod `host` are read)
+    and names the first record that was altered, dropped, reordered or duplicated."""
     result = VerifyResult()
-    entries = _read(_chain_order([Path(p) for p in paths]), result)
+    entries = _read(_chain_order([Path(p) for p in paths]), result, stream, host)
     if entries is None:
         return result
     positions = {entry.record["seq"]: entry for entry in entries if entry.record is not None}

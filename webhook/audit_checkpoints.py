@@ -5,16 +5,17 @@ tail or rewrite every record from some point on and recompute the chain. So the 
 record, and every `interval` seconds (when the head moved, and at start and stop) a checkpoint of the
 chain head signed with its own Ed25519 key, to stdout, one JSON object a line:
 
-    {"scrubgateAudit": "record", "record": {...}}
-    {"scrubgateAudit": "checkpoint", "checkpoint": {"v": 1, "host": ..., "file": ..., "seq": N,
-                                                     "head": "sha256:...", "time": ..., "kid": ..., "sig": ...}}
+    {"scrubgateAudit": "record", "host": POD, "record": {...}}
+    {"scrubgateAudit": "checkpoint", "host": POD, "checkpoint": {"v": 1, "host": POD, "file": ..., "seq": N,
+                                                                 "head": "sha256:...", "time": ..., "kid": ..., "sig": ...}}
 
 Stdout, not a Kubernetes object: the container runtime writes the stream to node files the pod cannot
 reach and log collectors ship it off the node, so the file's writer cannot rewrite what went there; and
 the webhook needs no API credentials for it (it has none: it answers the API server, it never calls it).
 CloudTrail digest files and transparency logs' signed tree heads work the same way. `sig` is Ed25519 over
 the canonical JSON of the checkpoint without `sig`; `kid` is the first 16 hex digits of the SHA-256 of
-the raw public key. `host` is the pod name: each replica writes a chain of its own.
+the raw public key. `host` is the pod name: each replica writes a chain of its own. The stream's copies
+of the records can be verified like the file (`scrubgate audit verify --stream`), rotated-away ones included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import binascii
 import hashlib
 import json
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,8 +51,24 @@ def key_id(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def stream_line(kind: str, body: Mapping[str, Any]) -> str:
-    return json.dumps({STREAM_KEY: kind, kind: body}, sort_keys=True, separators=(",", ":")) + "\n"
+def stream_line(kind: str, body: Mapping[str, Any], host: str) -> str:
+    return json.dumps({STREAM_KEY: kind, "host": host, kind: body}, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def stream_entries(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, entry) of the stream's lines in `path`: the webhook's stdout as `kubectl logs` or a
+    log collector gives it (other lines, and any prefix before the JSON object such as `--timestamps`,
+    are skipped)."""
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        start = line.find("{")
+        if start < 0 or STREAM_KEY not in line:
+            continue
+        try:
+            entry = json.loads(line[start:])
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get(STREAM_KEY), str):
+            yield number, entry
 
 
 class Checkpointer:
@@ -118,18 +135,10 @@ def load_public_keys(paths: Iterable[Path]) -> dict[str, Ed25519PublicKey]:
 
 
 def read_checkpoints(path: Path) -> list[Checkpoint]:
-    """Checkpoints among the lines of `path`: the webhook's stdout as `kubectl logs` or a log collector
-    gives it (other lines, and any prefix before the JSON object such as `--timestamps`, are skipped)."""
+    """The checkpoints among the stream's lines in `path`."""
     found = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        start = line.find("{")
-        if start < 0 or STREAM_KEY not in line:
-            continue
-        try:
-            entry = json.loads(line[start:])
-        except ValueError:
-            continue
-        body = entry.get("checkpoint") if isinstance(entry, dict) and entry.get(STREAM_KEY) == "checkpoint" else None
+    for number, entry in stream_entries(path):
+        body = entry.get("checkpoint") if entry[STREAM_KEY] == "checkpoint" else None
         if not isinstance(body, dict):
             continue
         try:

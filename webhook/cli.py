@@ -99,10 +99,38 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="the webhook's audit public key (PEM); needed with --checkpoints; repeatable across key rotation",
     )
-    verify.add_argument("--host", help="the pod whose checkpoints to use, where F holds several replicas'")
+    verify.add_argument(
+        "--stream",
+        action="store_true",
+        help="the FILEs are the webhook's stdout (kubectl logs, a log collector's copy): verify the records "
+        "copied there, rotated-away ones included; their checkpoints are read too when --public-key is given",
+    )
+    verify.add_argument("--host", help="the pod whose records and checkpoints to use, where a stream holds several")
 
 
-def _checkpoint_findings(args: argparse.Namespace, result: VerifyResult) -> list[Finding] | int:
+def _one_host(args: argparse.Namespace, streams: list[Path]) -> str | int | None:
+    """The pod the stream entries must come from: --host, or the only one there is; an exit code after
+    an error message when the streams hold several and --host names none."""
+    from .audit_checkpoints import stream_entries
+
+    if args.host is not None:
+        return args.host
+    try:
+        hosts = sorted({str(entry.get("host")) for path in streams for _, entry in stream_entries(path)})
+    except OSError as exc:
+        print(f"scrubgate audit verify: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if len(hosts) > 1:
+        print(
+            f"scrubgate audit verify: the stream holds {len(hosts)} replicas ({', '.join(hosts)}); "
+            "name the pod the files came from with --host",
+            file=sys.stderr,
+        )
+        return 2
+    return hosts[0] if hosts else None
+
+
+def _checkpoint_findings(args: argparse.Namespace, result: VerifyResult, host: str | None) -> list[Finding] | int:
     """The checkpoints' findings, or an exit code after an error message."""
     from . import audit_checkpoints as cps
 
@@ -117,33 +145,30 @@ def _checkpoint_findings(args: argparse.Namespace, result: VerifyResult) -> list
     except (OSError, ValueError) as exc:
         print(f"scrubgate audit verify: {exc}", file=sys.stderr)
         return 2
-    hosts = sorted({cp.host for cp in found})
-    if args.host is None and len(hosts) > 1:
+    mine = [cp for cp in found if host is None or cp.host == host]
+    if not mine:
         print(
-            f"scrubgate audit verify: the checkpoints come from {len(hosts)} replicas ({', '.join(hosts)}); "
-            "name the pod the files came from with --host",
-            file=sys.stderr,
-        )
-        return 2
-    if not found or (args.host is not None and args.host not in hosts):
-        print(
-            f"scrubgate audit verify: no checkpoint{' of ' + args.host if args.host else ''} in "
+            f"scrubgate audit verify: no checkpoint{' of ' + host if host else ''} in "
             f"{', '.join(map(str, args.checkpoints))}; was the webhook started with --audit-signing-key?",
             file=sys.stderr,
         )
         return 2
-    mine = [cp for cp in found if args.host is None or cp.host == args.host]
     return cps.check(mine, result.hashes, keys)
 
 
 def run_audit(args: argparse.Namespace) -> int:
     from .audit import verify_files
 
-    result = verify_files(args.files)
+    if args.stream and args.public_key and not args.checkpoints:
+        args.checkpoints = list(args.files)
+    host = _one_host(args, [*args.checkpoints, *(args.files if args.stream else [])])
+    if isinstance(host, int):
+        return host
+    result = verify_files(args.files, stream=args.stream, host=host)
     if result.unreadable is not None:
         print(f"scrubgate audit verify: cannot read {result.unreadable}", file=sys.stderr)
         return 2
-    findings = _checkpoint_findings(args, result)
+    findings = _checkpoint_findings(args, result, host)
     if isinstance(findings, int):
         return findings
     for finding in findings:
