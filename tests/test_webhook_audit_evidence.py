@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies.attestation import public_key_pem
 from scrubgate.webhook.audit import GENESIS, AuditLog, record_hash, verify_files
@@ -203,3 +204,12 @@ def test_an_altered_record_in_the_stream_is_named(tmp_path, capsys):
     text = stream.getvalue().replace('"uid":"req-1"', '"uid":"req-x"')
     code, out = _verify(tmp_path, capsys, [], io.StringIO(text), "--stream")
     assert code == 1 and "(seq 2): altered: the record does not match its hash" in out
+
+
+def test_a_bad_signing_key_is_refused_naming_the_file(tmp_path):
+    key = tmp_path / "audit.pem"
+    key.write_text("not a key")
+    with pytest.raises(ValueError, match=r"audit signing key .*audit\.pem: .*Ed25519 key in PEM"):
+        Checkpointer.from_file(key, interval=60)
+    with pytest.raises(ValueError, match="cannot read it"):
+        Checkpointer.from_file(tmp_path / "missing.pem", interval=60)

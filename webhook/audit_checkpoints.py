@@ -25,11 +25,11 @@ import binascii
 import hashlib
 import json
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from scrubgate.policies.attestation import load_private_key, load_public_key, rfc3339
 
 STREAM_KEY = "scrubgateAudit"
+K = TypeVar("K")
 CHECKPOINT_VERSION = 1
 
 
@@ -71,6 +72,16 @@ def stream_entries(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, entry
 
 
+def _load(path: Path, loader: Callable[[bytes], K], what: str) -> K:
+    """A key from a PEM file; ValueError naming the file and what is wrong with it."""
+    try:
+        return loader(path.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{what} {path}: {exc} (an Ed25519 key in PEM is expected)") from None
+
+
 class Checkpointer:
     """Signs chain heads with the webhook's own key (`--audit-signing-key`)."""
 
@@ -84,13 +95,7 @@ class Checkpointer:
 
     @classmethod
     def from_file(cls, path: Path, *, interval: float) -> Checkpointer:
-        try:
-            key = load_private_key(path.read_bytes())
-        except OSError as exc:
-            raise ValueError(f"audit signing key {path}: cannot read it: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"audit signing key {path}: {exc}") from None
-        return cls(key, interval=interval)
+        return cls(_load(path, load_private_key, "audit signing key"), interval=interval)
 
     def sign(self, file: Path, seq: int, head: str, now: datetime | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -122,16 +127,8 @@ class Checkpoint:
 
 
 def load_public_keys(paths: Iterable[Path]) -> dict[str, Ed25519PublicKey]:
-    keys = {}
-    for path in paths:
-        try:
-            key = load_public_key(path.read_bytes())
-        except OSError as exc:
-            raise ValueError(f"public key {path}: cannot read it: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"public key {path}: not an Ed25519 public key in PEM ({exc})") from None
-        keys[key_id(key)] = key
-    return keys
+    keys = [_load(path, load_public_key, "public key") for path in paths]
+    return {key_id(key): key for key in keys}
 
 
 def read_checkpoints(path: Path) -> list[Checkpoint]:

@@ -83,22 +83,17 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     verify.add_argument(
         "files", nargs="+", type=Path, metavar="FILE", help="audit log files (rotated files in any order)"
     )
-    verify.add_argument(
-        "--checkpoints",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="F",
-        help="the webhook's stdout (kubectl logs, or the log collector's copy) holding its signed checkpoints",
-    )
-    verify.add_argument(
-        "--public-key",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="F",
-        help="the webhook's audit public key (PEM); needed with --checkpoints; repeatable across key rotation",
-    )
+    for flag, help_text in (
+        (
+            "--checkpoints",
+            "the webhook's stdout (kubectl logs, or the log collector's copy) holding its signed checkpoints",
+        ),
+        (
+            "--public-key",
+            "the webhook's audit public key (PEM); needed with --checkpoints; repeatable across key rotation",
+        ),
+    ):
+        verify.add_argument(flag, type=Path, action="append", default=[], metavar="F", help=help_text)
     verify.add_argument(
         "--stream",
         action="store_true",
