@@ -15,6 +15,7 @@ workload in the cluster.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import threading
@@ -44,8 +45,9 @@ def _collection(namespace: str) -> str:
     return report_path(namespace).rsplit("/", 1)[0]
 
 
-def _without_time(result: Mapping[str, Any]) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in result.items() if k != "timestamp"))
+def _without_time(result: Mapping[str, Any]) -> str:
+    # JSON with sorted keys: the API server gives objects back with their keys in another order.
+    return json.dumps({k: v for k, v in result.items() if k != "timestamp"}, sort_keys=True)
 
 
 def _keep_first_seen(new: dict[str, Any], old: Mapping[str, Any] | None) -> None:
@@ -118,7 +120,8 @@ def run_rounds(
         try:
             policy = load_policy(policy_file)
             snapshot, done = reconcile(api, policy)
-            log.info("reports: round done", extra={"reports": done, "objects": len(snapshot.objects)})
+            changed = {namespace or "(cluster)": what for namespace, what in done.items() if what != "unchanged"}
+            log.info("reports: %d objects read; reports %s", len(snapshot.objects), changed or "unchanged")
         except (ApiError, PolicyError) as exc:
             log.error("reports: round failed: %s; trying again in %.0f s", exc, interval_s)
             stop.wait(interval_s)

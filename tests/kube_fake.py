@@ -4,6 +4,7 @@ resourceVersion, delete, and watches fed from a list of events. It records every
 from __future__ import annotations
 
 import copy
+import json
 import itertools
 import threading
 from collections.abc import Iterator, Mapping
@@ -77,7 +78,8 @@ class FakeApi:
     # -- internals -------------------------------------------------------------------------------
 
     def _stamp(self, obj: Obj) -> Obj:
-        obj = copy.deepcopy(obj)
+        # Stored as the API server stores it: JSON whose object keys come back sorted (Go maps).
+        obj = json.loads(json.dumps(obj, sort_keys=True))
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         return obj
 
