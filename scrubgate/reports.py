@@ -120,8 +120,8 @@ def run_rounds(
         try:
             policy = load_policy(policy_file)
             snapshot, done = reconcile(api, policy)
-            changed = {namespace or "(cluster)": what for namespace, what in done.items() if what != "unchanged"}
-            log.info("reports: %d objects read; reports %s", len(snapshot.objects), changed or "unchanged")
+            written = {namespace or "(cluster)": what for namespace, what in done.items() if what != "unchanged"}
+            log.info("reports: %d objects read; reports %s", len(snapshot.objects), written or "unchanged")
         except (ApiError, PolicyError) as exc:
             log.error("reports: round failed: %s; trying again in %.0f s", exc, interval_s)
             stop.wait(interval_s)
