@@ -4,8 +4,8 @@ resourceVersion, delete, and watches fed from a list of events. It records every
 from __future__ import annotations
 
 import copy
-import json
 import itertools
+import json
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any

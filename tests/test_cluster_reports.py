@@ -3,7 +3,11 @@ in-memory API (tests/kube_fake.py)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
+import subprocess
 import threading
 import time
 from datetime import UTC, datetime
@@ -16,7 +20,7 @@ import yaml
 from kube_fake import FakeApi
 from scrubgate.policies.config import load_policy
 
-from scrubgate import cli, reports
+from scrubgate import __version__, cli, reports
 from scrubgate.cluster import CHECKED_KINDS, KubeApi, check_cluster, read_cluster
 from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
 from scrubgate.policyreport import build_reports
@@ -232,4 +236,27 @@ def test_the_reports_role_lists_and_watches_every_kind_it_reads():
 @pytest.mark.parametrize("name", ["crds.yaml", "rbac.yaml", "deployment.yaml"])
 def test_reports_component_validates(name):
     for doc in component_docs(name):
+        kubernetes_validate.validate(doc, "1.34", strict=True)
+
+
+def test_reports_component_renders_with_the_base(tmp_path):
+    kubectl = shutil.which("kubectl") or next(
+        iter(sorted(glob.glob(str(Path.home() / ".cache/scrubgate/k8s/*/bin/kubectl")))), None
+    )
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize base (make cluster-bins builds one)")
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base, component = (os.path.relpath(p, overlay) for p in (REPORTS_COMPONENT.parents[1], REPORTS_COMPONENT))
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [base], "components": [component]}))
+    result = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    reports = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "scrubgate-reports")
+    pod = reports["spec"]["template"]["spec"]
+    policy = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("scrubgate-policy"))
+    # The base's image tag and the base's (hashed) policy ConfigMap reach the reports Deployment too.
+    assert pod["containers"][0]["image"].endswith(":" + __version__)
+    assert pod["volumes"][0]["configMap"]["name"] == policy["metadata"]["name"]
+    for doc in docs:
         kubernetes_validate.validate(doc, "1.34", strict=True)

@@ -57,9 +57,10 @@ def test_base_is_pinned_and_the_image_runs_unprivileged():
 
 
 def test_manifests_name_the_image_of_this_version():
-    kustomization = yaml.safe_load((REPO / "manifests" / "kustomization.yaml").read_text())
-    assert kustomization["images"] == [{"name": IMAGE, "newTag": __version__}]
-    for name in ("webhook-deployment.yaml", "agent-daemonset.yaml"):
+    for directory in ("manifests", "manifests/components/reports"):
+        kustomization = yaml.safe_load((REPO / directory / "kustomization.yaml").read_text())
+        assert kustomization["images"] == [{"name": IMAGE, "newTag": __version__}], directory
+    for name in ("webhook-deployment.yaml", "agent-daemonset.yaml", "components/reports/deployment.yaml"):
         workload = yaml.safe_load((REPO / "manifests" / name).read_text())
         images = {c["image"] for c in workload["spec"]["template"]["spec"]["containers"]}
         assert images == {IMAGE}, name
