@@ -12,6 +12,7 @@ inside a pod, the service account); tests give a fake with the same `request` an
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -85,8 +86,6 @@ class KubeApi:
     def connect(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeApi:
         """The kubeconfig (KUBECONFIG or ~/.kube/config unless named) and context; inside a pod with
         neither given, the pod's service account."""
-        import os
-
         from kubernetes import client, config
 
         if kubeconfig is None and context is None and "KUBERNETES_SERVICE_HOST" in os.environ:

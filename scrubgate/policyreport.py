@@ -18,7 +18,7 @@ import yaml
 
 from scrubgate.policies.engine import Finding
 
-from .check import CheckResult
+from .check import CheckResult, namespace_of
 
 API_VERSION = "wgpolicyk8s.io/v1alpha2"
 REPORT_NAME = "scrubgate"
@@ -77,20 +77,17 @@ def report(namespace: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def build_reports(
-    result: CheckResult, now: datetime | None = None, *, default_namespace: str = "default"
-) -> dict[str, dict[str, Any]]:
+def build_reports(result: CheckResult, now: datetime | None = None) -> dict[str, dict[str, Any]]:
     """Namespace ("" for the cluster) -> its report, for every namespace with a finding; the
     ClusterPolicyReport is always there, so that a reader sees the scan ran."""
     moment = now or datetime.now(UTC)
     by_namespace: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for checked in result.objects:
         obj = checked.document.obj
-        namespace = (obj.get("metadata") or {}).get("namespace")
-        if namespace is None and _namespaced(obj):
-            namespace = default_namespace  # a manifest without one: where kubectl would create it
+        # A manifest without a namespace: where kubectl would create it.
+        namespace = namespace_of(obj) if _namespaced(obj) else CLUSTER_SCOPE
         for finding in checked.findings:
-            by_namespace[namespace or CLUSTER_SCOPE].append(_result(finding, obj, moment))
+            by_namespace[namespace].append(_result(finding, obj, moment))
     by_namespace.setdefault(CLUSTER_SCOPE, [])
     return {namespace: report(namespace, results) for namespace, results in sorted(by_namespace.items())}
 

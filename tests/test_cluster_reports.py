@@ -260,3 +260,17 @@ def test_reports_component_renders_with_the_base(tmp_path):
     assert pod["volumes"][0]["configMap"]["name"] == policy["metadata"]["name"]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.34", strict=True)
+
+
+def test_policyreport_format_for_files_in_ci(tmp_path, capsys):
+    manifest = tmp_path / "claim.yaml"
+    bad = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", **claim("x", "sticky", retain=True)}
+    del bad["metadata"]["namespace"]  # created where kubectl points: reported in default
+    manifest.write_text(yaml.safe_dump(bad))
+    assert cli.main(["check", "--format", "policyreport", str(manifest)]) == 1
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"].get("namespace")) for d in docs] == [
+        ("ClusterPolicyReport", None),
+        ("PolicyReport", "default"),
+    ]
+    assert [r["rule"] for r in docs[1]["results"]] == ["SG001"]
