@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,8 @@ from scrubgate.certs import layout
 from scrubgate.certs.inject import count_webhooks, inject_yaml_text
 from scrubgate.policies import names
 
+from devcluster.harness import render_base
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 COMPONENT = MANIFESTS / "components" / "cert-manager"
@@ -30,14 +30,8 @@ Doc = dict[str, Any]
 
 
 def kustomize(directory: Path) -> list[Doc]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize base (install kubectl >= 1.27)")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+    """`kubectl kustomize`, with the kubectl `make cluster-bins` built."""
+    return render_base(directory)
 
 
 @pytest.fixture(scope="module")
