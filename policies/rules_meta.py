@@ -89,5 +89,23 @@ RULES: dict[str, RuleMeta] = {
             "Delete the pod with a grace period (omit --grace-period=0 --force) so the device is unprepared and "
             "scrubbed; only the policy's admin groups may force-delete such pods.",
         ),
+        RuleMeta(
+            "SG009",
+            "gpu-class-coverage",
+            "deny",
+            "DeviceClass that selects a GPU driver's devices, or offers them as an extended resource, unknown to "
+            "the policy",
+            "Add the class to gpuDeviceClasses in the scrubgate policy (or to excludeDeviceClasses if no agent can "
+            "scrub its devices), and its extendedResourceName to gpuExtendedResources, so that its claims and "
+            "pods get scrubgate's guards.",
+        ),
+        RuleMeta(
+            "SG010",
+            "tenancy-label",
+            "deny",
+            "change of a namespace's scrubgate.dev/tenancy label by anyone but the policy's admin groups",
+            "Ask a member of the policy's admin groups to set or remove scrubgate.dev/tenancy: trusted turns the "
+            "multi-tenant rules (SG001, SG006, SG002 for pods) off in the namespace. Every change is audited.",
+        ),
     )
 }
