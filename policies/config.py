@@ -37,7 +37,9 @@ class Tenancy(_Model):
 
 
 class GracePeriod(_Model):
+    # 30 s is also what the API server sets where a pod spec has none, before any webhook sees it.
     minimum_seconds: int = Field(30, alias="minimumSeconds", ge=0)
+    # What `scrubgate check --fix` writes into a manifest that has none; nothing sets it at admission.
     default_seconds: int = Field(60, alias="defaultSeconds", ge=1)
     maximum_seconds: int = Field(3600, alias="maximumSeconds", ge=1)
 

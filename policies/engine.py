@@ -181,19 +181,15 @@ def _object_findings(obj: dict[str, Any], policy: PolicyConfig, trusted: bool, m
 
 
 def default(obj: Mapping[str, Any] | None, policy: PolicyConfig, operation: Operation = "CREATE") -> list[Finding]:
-    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004)
-    and the default grace period where a pod spec with DRA claims has none (SG003). Only on CREATE: on
-    UPDATE the agent's own removal of the finalizer must not be undone."""
-    if operation != "CREATE" or not isinstance(obj, dict) or not is_known(obj):
+    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004).
+    Only on CREATE: on UPDATE the agent's own removal of the finalizer must not be undone. No grace period is
+    defaulted here: the API server sets an absent terminationGracePeriodSeconds to 30 s before any admission
+    webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""
+    if operation != "CREATE" or not isinstance(obj, dict) or not is_claim(obj):
         return []
-    if is_claim(obj):
-        if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
-            return []
-        return _findings(policy, "SG004", rules.claim_finalizer(obj))
-    ref = pod_spec(obj)
-    if ref is None or "terminationGracePeriodSeconds" in ref.spec:
+    if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
         return []
-    return _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=True))
+    return _findings(policy, "SG004", rules.claim_finalizer(obj))
 
 
 def shared_claims(

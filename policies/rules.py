@@ -143,8 +143,9 @@ def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[
             return []
         return [
             (
-                f"pod spec with DRA claims has no terminationGracePeriodSeconds: set it (default "
-                f"{limits.default_seconds}s) so the driver can unprepare the device before the pod ends",
+                f"GPU pod spec has no terminationGracePeriodSeconds (the API server would set 30s): set it "
+                f"between {limits.minimum_seconds} and {limits.maximum_seconds} so the driver can unprepare the "
+                f"device before the pod ends (`scrubgate check --fix` writes {limits.default_seconds})",
                 path,
                 ({"op": "add", "path": path, "value": limits.default_seconds},),
             )
@@ -156,7 +157,7 @@ def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[
         return [
             (
                 f"terminationGracePeriodSeconds is {value}s, below the minimum of {limits.minimum_seconds}s "
-                f"for pods with DRA claims: raise it to at least {limits.minimum_seconds}",
+                f"for GPU pods: raise it to at least {limits.minimum_seconds}",
                 path,
                 (),
             )
@@ -388,13 +389,22 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
     return None
 
 
+def _scheduler_may_clear(old: dict[str, Any]) -> bool:
+    """The scheduler's PostFilter clears only the allocation of a claim reserved for nobody or for the one pod
+    it is scheduling; a claim that the old object shows reserved for another consumer, or for more than one,
+    has been in use, and the exemption does not reach it."""
+    consumers = reserved_consumers(old)
+    return not consumers or (len(consumers) == 1 and consumers[0][0] == "pods")
+
+
 def deallocation_guard(
     obj: dict[str, Any], old: dict[str, Any], username: str, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on an UPDATE of a GPU claim's status: the allocation goes (its devices back to the pool) only
     once the claim carries an attestation of their scrub. The agent then always finds a released claim
     still allocated, however late it looks, e.g. after a restart. Exempt: the scheduler undoing its own
-    allocation before binding (no container ran), and a claim an admin has set break-glass on.
+    allocation before binding (no container ran; only a claim reserved for nobody or one pod), and a claim an
+    admin has set break-glass on.
     Returns (violations, break-glass deallocations to audit)."""
     allocation = as_dict(old.get("status")).get("allocation")
     if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
@@ -405,7 +415,7 @@ def deallocation_guard(
             return [], []
     except AttestationError:
         pass  # an agent's record that cannot be read: keep the guard (fail closed)
-    if username in policy.scheduler.identities:
+    if username in policy.scheduler.identities and _scheduler_may_clear(old):
         return [], []
     # The metadata of a status write is the stored one: read the attestation from the old object.
     path = "/status/allocation"

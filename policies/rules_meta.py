@@ -40,9 +40,10 @@ RULES: dict[str, RuleMeta] = {
             "SG003",
             "grace-period",
             "deny",
-            "pod with DRA claims has no, or too short or too long, terminationGracePeriodSeconds",
+            "GPU pod has no (in manifests), or too short or too long, terminationGracePeriodSeconds",
             "Set spec.terminationGracePeriodSeconds between the policy's minimum and maximum so the containers "
-            "stop and the driver unprepares the device before the pod is reported terminal.",
+            "stop and the driver unprepares the device before the pod is reported terminal (the API server sets "
+            "30 where it is absent; `scrubgate check --fix` writes the policy's defaultSeconds).",
         ),
         RuleMeta(
             "SG004",

@@ -186,6 +186,24 @@ def test_the_scheduler_undoes_its_own_allocation_without_attestation():
     assert status_update(old, deallocated(old), SCHEDULER, groups=("system:authenticated",)) == []
 
 
+@pytest.mark.parametrize(
+    "reserved",
+    [
+        [{"resource": "pods", "name": "a", "uid": "pod-a"}, {"resource": "pods", "name": "b", "uid": "pod-b"}],
+        [{"apiGroup": "scheduling.k8s.io", "resource": "podgroups", "name": "g", "uid": "pg"}],
+    ],
+    ids=["two-pods", "a-pod-group"],
+)
+def test_the_scheduler_may_not_clear_a_claim_in_use_by_more_than_its_pending_pod(reserved):
+    """PostFilter clears only a claim reserved for nobody or for the one pod being scheduled."""
+    old = allocated()
+    old["status"]["reservedFor"] = reserved
+    assert_denied(status_update(old, deallocated(old), SCHEDULER), f"user {SCHEDULER!r}")
+    pending = allocated()
+    pending["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": "pod-a"}]
+    assert status_update(pending, deallocated(pending), SCHEDULER) == []
+
+
 def test_the_policy_names_the_scheduler():
     custom = "system:serviceaccount:kube-system:gpu-scheduler"
     policy = parse_policy({"attestationKeys": KEYS, "scheduler": {"identities": [custom]}})
