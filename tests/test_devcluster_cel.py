@@ -94,7 +94,7 @@ def _request(group: str, resource: str, operation: str) -> dict:
     [
         (_request("", "pods", "CREATE"), POD_WITH_CLAIMS, None, True),
         (_request("", "pods", "CREATE"), POD_WITHOUT, None, False),
-        (_request("", "pods", "DELETE"), None, POD_WITH_CLAIMS, True),
+        (_request("", "pods", "DELETE"), None, POD_WITH_CLAIMS, False),  # no grace 0: not SG008's to decide
         (_request("", "pods", "DELETE"), None, POD_WITHOUT, False),
         (_request("resource.k8s.io", "resourceclaims", "UPDATE"), CLAIM_OBJ, CLAIM_OBJ, True),
         (_request("resource.k8s.io", "resourceclaims", "CREATE"), CLAIM_OBJ, None, True),
