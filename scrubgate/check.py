@@ -108,7 +108,7 @@ def _run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, b
 
 
 def _kind_without_api_version(doc: Document) -> bool:
-    return "kind" in doc.obj and not doc.obj.get("apiVersion")
+    return "kind" in doc.obj and doc.obj.get("apiVersion") in (None, "")
 
 
 def _missing_api_version(doc: Document) -> InputError:
