@@ -101,7 +101,19 @@ def _run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, b
             result.errors.append(text)
             continue
         docs, errors = read_documents(display_name(file), text)
-        documents += docs
-        result.errors += errors
+        documents += [d for d in docs if not _kind_without_api_version(d)]
+        result.errors += errors + [_missing_api_version(d) for d in docs if _kind_without_api_version(d)]
     result.objects = check_documents(documents, policy, overrides)
     return result
+
+
+def _kind_without_api_version(doc: Document) -> bool:
+    return "kind" in doc.obj and doc.obj.get("apiVersion") in (None, "")
+
+
+def _missing_api_version(doc: Document) -> InputError:
+    """kubectl refuses an object without apiVersion; passing over it in silence would check less than is applied."""
+    where = f"items[{doc.prefix[-1]}] of document {doc.index}" if doc.prefix else f"document {doc.index}"
+    return InputError(
+        doc.file, doc.line_of(""), f"{where} has kind {doc.obj.get('kind')!r} but no apiVersion: add its apiVersion"
+    )

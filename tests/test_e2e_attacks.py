@@ -44,8 +44,8 @@ from scrubgate.policies.attestation import (
     verify,
 )
 
-from devcluster import auth, workloads
-from devcluster.harness import Cluster, wait_for
+from devcluster import workloads
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, wait_for
 from devcluster.observer import first_rv, is_allocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -84,7 +84,7 @@ class Record:
     name: str
 
 
-CLAIM_CONTROLLER = auth.CLAIM_CONTROLLER.username
+CLAIM_CONTROLLER = CLAIM_CONTROLLER_USER
 
 
 def deallocation(record: dict) -> bool:
@@ -727,7 +727,9 @@ def _unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
     conditions = ((cluster.pod(namespace, pod) or {}).get("status") or {}).get("conditions") or []
     # Turned away for want of an untainted device, not while its claim was still being generated.
     return any(
-        c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" and "untainted" in c.get("message", "")
+        c["type"] == "PodScheduled"
+        and c.get("reason") == "Unschedulable"
+        and "cannot allocate all claims" in c.get("message", "")
         for c in conditions
     )
 

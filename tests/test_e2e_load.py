@@ -17,8 +17,7 @@ from e2e_support import assert_invariant, patch_claim
 from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 
-from devcluster import auth
-from devcluster.harness import Cluster
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster
 from devcluster.load import LoadRun, LoadSpec
 
 # The `cluster_factory` fixture.
@@ -59,7 +58,7 @@ def strip_finalizers(cluster: Cluster, run: LoadRun, stop: threading.Event) -> C
     return outcomes
 
 
-CLAIM_CONTROLLER = auth.CLAIM_CONTROLLER.username
+CLAIM_CONTROLLER = CLAIM_CONTROLLER_USER
 
 
 @pytest.mark.e2e

@@ -80,9 +80,9 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
 
 
 def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
-    """SG004 finalizer and SG003 default grace period on CREATE. The engine patches only what is absent,
-    so a reinvocation (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default
-    in other operations and in kinds the policy does not know."""
+    """SG004 finalizer on CREATE of a GPU claim. The engine patches only what is absent, so a reinvocation
+    (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default in other operations and
+    kinds (the API server has defaulted a pod's grace period before any webhook runs)."""
     findings = default(request.object, policy, request.operation)
     ops = [op for finding in findings for op in finding.patch]
     unsafe = [op for op in ops if op.get("op") != "add"]
