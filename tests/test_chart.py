@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import glob
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.certs import generate as gen
 from scrubgate.policies.attestation import public_key_pem
 from scrubgate.policies.config import PolicyConfig, load_policy
+from test_manifests import kustomize
 
 from scrubgate import __version__
 from scrubgate.check import run_check
@@ -131,15 +131,6 @@ def test_other_namespaces_are_refused(helm: str):
 # --- one source of truth with the kustomize base ------------------------------------------------
 
 
-def kubectl() -> str:
-    found = shutil.which("kubectl") or next(
-        iter(sorted(glob.glob(str(Path.home() / ".cache/scrubgate/k8s/*/bin/kubectl")))), None
-    )
-    if found is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize base (make cluster-bins builds one)")
-    return found
-
-
 def comparable(doc: Doc) -> Doc:
     """What the chart adds on purpose removed: its labels, the caBundle, the policy ConfigMap's name
     (kustomize hashes it, the chart rolls the pods with a checksum annotation instead)."""
@@ -163,13 +154,7 @@ def comparable(doc: Doc) -> Doc:
 
 
 def test_default_render_is_the_kustomize_base(default: list[Doc]):
-    result = subprocess.run(
-        [kubectl(), "kustomize", str(REPO / "manifests")], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    base = {
-        (c["kind"], c["metadata"]["name"]): c for d in yaml.safe_load_all(result.stdout) if d for c in [comparable(d)]
-    }
+    base = {(c["kind"], c["metadata"]["name"]): c for d in kustomize(REPO / "manifests") for c in [comparable(d)]}
     chart = {(d["kind"], d["metadata"]["name"]): comparable(d) for d in default}
     # The namespace comes from --create-namespace (namespace.create renders it); the chart adds the TLS
     # Secret it generates and, with reports.enabled, the reports Deployment, its RBAC and CRDs.

@@ -3,11 +3,8 @@ in-memory API (tests/kube_fake.py)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
-import subprocess
 import threading
 import time
 from datetime import UTC, datetime
@@ -19,6 +16,7 @@ import pytest
 import yaml
 from kube_fake import FakeApi
 from scrubgate.policies.config import load_policy
+from test_manifests import kustomize
 
 from scrubgate import __version__, cli, reports
 from scrubgate.cluster import CHECKED_KINDS, KubeApi, check_cluster, read_cluster
@@ -240,18 +238,11 @@ def test_reports_component_validates(name):
 
 
 def test_reports_component_renders_with_the_base(tmp_path):
-    kubectl = shutil.which("kubectl") or next(
-        iter(sorted(glob.glob(str(Path.home() / ".cache/scrubgate/k8s/*/bin/kubectl")))), None
-    )
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize base (make cluster-bins builds one)")
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     base, component = (os.path.relpath(p, overlay) for p in (REPORTS_COMPONENT.parents[1], REPORTS_COMPONENT))
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [base], "components": [component]}))
-    result = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    docs = kustomize(overlay)
     reports = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "scrubgate-reports")
     pod = reports["spec"]["template"]["spec"]
     policy = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("scrubgate-policy"))
