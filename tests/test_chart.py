@@ -393,3 +393,18 @@ def test_build_helm_without_go_says_what_to_do(tmp_path: Path):
     )
     assert result.returncode == 1 and result.stdout == ""
     assert "'go' is not on PATH" in result.stderr and "https://go.dev/doc/install" in result.stderr
+
+
+def test_the_packaged_chart_renders_the_same(helm: str, default: list[Doc], tmp_path: Path):
+    """`helm package` copies what the links under files/ point at: the archive needs no checkout."""
+    result = subprocess.run(
+        [helm, "package", str(CHART), "-d", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    archive = tmp_path / f"scrubgate-{__version__}.tgz"
+    packaged = render(helm, "--include-crds", chart=archive)
+
+    def without_certificate(docs: list[Doc]) -> list[Doc]:
+        return [comparable(d) for d in docs if d["kind"] != "Secret"]
+
+    assert without_certificate(packaged) == without_certificate(default)
