@@ -265,11 +265,11 @@ class Cluster:
                     "the webhook Service's port",
                 )
             )
+            self._install_node()
             self.webhook.start()
-            self._install()
-            self.node_process.start()
-            self.agent.start()
             self.wait_webhook_ready()
+            self._install()
+            self.agent.start()
             self.wait_agent_ready()
             wait_for(self._slice_published, self.ready_timeout, f"the ResourceSlice of node {self.node}")
             self.observer.start()
@@ -351,10 +351,20 @@ class Cluster:
     def policy(self) -> dict[str, Any]:
         return yaml.safe_load(self.paths.policy.read_text())
 
+    def _install_node(self) -> None:
+        """What is there before scrubgate: NVIDIA's DeviceClasses and driver identity, and the GPU node."""
+        for device_class in driver.device_classes():
+            self.apply(device_class)
+        self._install_driver_identity()
+        node = self.control_plane.pki.client(
+            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
+        )
+        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
+        self.node_process.start()
+
     def _install(self) -> None:
-        """scrubgate as the kustomize base installs it (its identities, RBAC and webhook configurations, with
-        the caBundle and the local overlay), NVIDIA's DeviceClasses and driver identity, and the credentials
-        of the node, the driver and the agent."""
+        """scrubgate as the kustomize base installs it: its identities and RBAC, then, once the webhook serves,
+        the webhook configurations (with the caBundle and the local overlay); and the agent's credentials."""
         base = render_base(kubectl=self.control_plane.bins["kubectl"])
         for doc in base:
             if doc["kind"] in INSTALLED_KINDS:
@@ -366,15 +376,8 @@ class Cluster:
         self.paths.webhook_configurations.write_text(yaml.safe_dump_all(configurations, sort_keys=False))
         for doc in configurations:
             self.apply(doc)
-        for device_class in driver.device_classes():
-            self.apply(device_class)
-        self._install_driver_identity()
         self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
         self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
-        node = self.control_plane.pki.client(
-            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
-        )
-        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
 
     def _install_driver_identity(self) -> None:
         ns, sa = driver.DRIVER_NAMESPACE, driver.DRIVER_SERVICE_ACCOUNT
@@ -481,6 +484,10 @@ class Cluster:
     def start_api(self) -> None:
         """Start kube-apiserver again (same port, same etcd) and wait until it is ready."""
         self.control_plane.start_apiserver()
+
+    def stop_api(self, crash: bool = False) -> None:
+        """kube-apiserver down: kill -9 with ``crash``, else SIGTERM; returns once it no longer answers."""
+        self.control_plane.stop_apiserver(crash)
 
     def restart_api(self, crash: bool = False) -> None:
         """Stop (or kill -9 with ``crash``) and start kube-apiserver; its objects survive in etcd."""
@@ -610,10 +617,10 @@ class Cluster:
         error status, with the API server's Status in ``.body``."""
         return Rest(self.client(user)).request(method, path, body, query=query, content_type=content_type)
 
-    def create_namespace(self, name: str, trusted: bool = False) -> None:
-        """A namespace where every tenant may `edit` (the bootstrap ClusterRole), ready for pods (its
-        `default` ServiceAccount exists)."""
-        labels = {names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {}
+    def create_namespace(self, name: str, trusted: bool = False, labels: dict[str, str] | None = None) -> None:
+        """A namespace (created by the admin) where every tenant may `edit` (the bootstrap ClusterRole), ready
+        for pods (its `default` ServiceAccount exists)."""
+        labels = {**(labels or {}), **({names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {})}
         self.request("POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
         if self.tenants:
             self.request(
@@ -737,24 +744,15 @@ class Cluster:
 
 
 def object_path(doc: dict[str, Any]) -> str:
-    """The URL path of ``doc`` (the kinds the harness installs, and DRA objects)."""
+    """The URL path of ``doc`` (kinds whose plural is the regular English one, as for every kind here)."""
     api_version, kind, meta = doc["apiVersion"], doc["kind"], doc["metadata"]
-    plural = PLURALS.get(kind) or kind.lower() + "s"
+    lower = kind.lower()
+    plural = lower[:-1] + "ies" if lower.endswith("y") else lower + ("es" if lower.endswith("s") else "s")
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     namespace = meta.get("namespace")
     return (
         f"{prefix}/namespaces/{namespace}/{plural}/{meta['name']}" if namespace else f"{prefix}/{plural}/{meta['name']}"
     )
-
-
-PLURALS = {
-    "DeviceClass": "deviceclasses",
-    "PriorityClass": "priorityclasses",
-    "NetworkPolicy": "networkpolicies",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
-    "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
-}
 
 
 def denial(call: Callable[[], object]) -> tuple[int, str]:

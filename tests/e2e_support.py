@@ -67,10 +67,12 @@ def cluster_fixture(cluster_factory: Callable[..., Cluster]) -> Cluster:
 # ---------------------------------------------------------------------- tenants
 
 
-def tenant_namespace(cluster: Cluster, prefix: str = "team", trusted: bool = False) -> str:
+def tenant_namespace(
+    cluster: Cluster, prefix: str = "team", trusted: bool = False, labels: dict[str, str] | None = None
+) -> str:
     """A new namespace (multi-tenant unless ``trusted``); the name is unique within the cluster."""
     name = f"{prefix}-{next(_seq)}"
-    cluster.create_namespace(name, trusted=trusted)
+    cluster.create_namespace(name, trusted=trusted, labels=labels)
     return name
 
 

@@ -126,7 +126,7 @@ def test_a_claim_deleted_while_its_pod_runs_is_not_scrubbed_under_it(cluster: Cl
     )
     body = workloads.pod("trainer", claim="shared-gpu", annotations=workloads.workload_annotations(canary=CANARY))
     cluster.core("alice").create_namespaced_pod(ns, body)
-    claim = running_claim(cluster, ns, "trainer")
+    claim = named_claim_running(cluster, ns, "trainer", "shared-gpu")
     uuid = cluster.device_uuid(allocated_device(claim)[2])
     wait_for(lambda: fenced(cluster, ns, "shared-gpu"), WAIT_S, "the fence")
     cluster.request("DELETE", cluster.resource_path("resourceclaims", ns, "shared-gpu"), user="alice")
@@ -190,7 +190,7 @@ def test_postfilter_deallocation_of_an_unscrubbed_claim_keeps_the_device_fenced(
     )
     body = workloads.pod("first", claim="named", annotations=workloads.workload_annotations(canary=CANARY))
     cluster.core("alice").create_namespaced_pod(ns, body)
-    claim = running_claim(cluster, ns, "first")
+    claim = named_claim_running(cluster, ns, "first", "named")
     device = allocated_device(claim)
     uuid = cluster.device_uuid(device[2])
     wait_for(lambda: fenced(cluster, ns, "named"), WAIT_S, "the fence")
@@ -223,6 +223,14 @@ def test_postfilter_deallocation_of_an_unscrubbed_claim_keeps_the_device_fenced(
     cluster.core("bob").delete_namespaced_pod("next", next_ns)
     wait_gone(cluster, next_ns, next_claim["metadata"]["name"])
     assert_invariant(cluster)
+
+
+def named_claim_running(cluster: Cluster, namespace: str, pod: str, claim: str) -> dict:
+    """The claim ``pod`` names (resourceClaimName), once the pod runs."""
+    wait_phase(cluster, namespace, pod, "Running")
+    found = cluster.claim(namespace, claim)
+    assert found is not None, f"claim {namespace}/{claim} of running pod {pod} does not exist"
+    return found
 
 
 def scrub_status(claim: dict) -> str | None:
