@@ -116,16 +116,15 @@ def scrub_status(claim: dict[str, Any]) -> str | None:
 def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Container[str]) -> str | None:
     """Why the claim no longer holds its devices, or None while it does.
 
-    Released: the claim is gone (or replaced by a new one of that name), being deleted, deallocated,
-    reserved for nobody, or reserved only for pods that are terminal or deleted.
+    Released: the claim is gone (or replaced by a new one of that name), deallocated, reserved for nobody,
+    or reserved only for pods that are terminal or deleted. A claim being deleted is not released by that: the
+    API server only stops new reservations, and the pods already reserved keep running on its devices.
     """
     if claim is None:
         return "claim deleted"
     meta = _meta(claim)
     if meta.get("uid") != uid:
         return "claim deleted (a new claim now has its name)"
-    if meta.get("deletionTimestamp"):
-        return "claim is being deleted"
     status = _dict(claim.get("status"))
     if not status.get("allocation"):
         return "allocation cleared"

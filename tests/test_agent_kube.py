@@ -38,8 +38,10 @@ def test_release_reasons():
     assert claims.release_reason(claim, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason(None, "u1", set()) == "claim deleted"
     assert claims.release_reason({**claim, "metadata": {"uid": "u2"}}, "u1", set()).startswith("claim deleted")
+    # Deletion only stops new reservations: the reserved pod keeps running on the device.
     deleting = {**claim, "metadata": {"uid": "u1", "deletionTimestamp": "2025-01-01T00:00:00Z"}}
-    assert claims.release_reason(deleting, "u1", set()) == "claim is being deleted"
+    assert claims.release_reason(deleting, "u1", set()) is None
+    assert claims.release_reason(deleting, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason({**claim, "status": {"reservedFor": claim["status"]["reservedFor"]}}, "u1", set()) == (
         "allocation cleared"
     )
