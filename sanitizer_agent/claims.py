@@ -51,14 +51,18 @@ def parse_device_ref(text: str) -> DeviceKey | None:
 
 
 def pod_claim_names(pod: dict[str, Any]) -> list[str]:
-    """Names of the ResourceClaims a pod uses: the ones it names, and the ones generated for it from
-    templates (`status.resourceClaimStatuses`, filled in by the resourceclaim controller)."""
+    """Names of the ResourceClaims a pod uses: the ones it names, the ones generated for it from templates
+    (`status.resourceClaimStatuses`, filled in by the resourceclaim controller), and the one the scheduler
+    created for its extended resources (`nvidia.com/gpu`, KEP-5004: `status.extendedResourceClaimStatus`, one
+    object; such a pod has no `spec.resourceClaims`)."""
+    status = _dict(pod.get("status"))
+    entries = [
+        *_list(_dict(pod.get("spec")).get("resourceClaims")),
+        *_list(status.get("resourceClaimStatuses")),
+        status.get("extendedResourceClaimStatus"),
+    ]
     found: list[str] = []
-    for entry in _list(_dict(pod.get("spec")).get("resourceClaims")):
-        name = _dict(entry).get("resourceClaimName")
-        if isinstance(name, str) and name:
-            found.append(name)
-    for entry in _list(_dict(pod.get("status")).get("resourceClaimStatuses")):
+    for entry in entries:
         name = _dict(entry).get("resourceClaimName")
         if isinstance(name, str) and name:
             found.append(name)

@@ -82,6 +82,8 @@ def test_pod_claim_names_cover_named_and_generated_claims():
         "status": {"resourceClaimStatuses": [{"name": "b", "resourceClaimName": "pod-b-xyz"}, {"name": "c"}]},
     }
     assert claims.pod_claim_names(pod) == ["shared", "pod-b-xyz"]
+    extended = {"status": {"extendedResourceClaimStatus": {"resourceClaimName": "pod-gpu-4xq", "requestMappings": []}}}
+    assert claims.pod_claim_names(extended) == ["pod-gpu-4xq"]
 
 
 def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
