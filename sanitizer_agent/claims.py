@@ -13,13 +13,32 @@ from scrubgate.policies import names
 
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 
+# NVIDIA's DRA driver publishes every GPU under this driver name; its `type` attribute tells a GPU or MIG
+# device (memory the agent scrubs through NVML and CUDA) from a GPU bound to vfio-pci for passthrough (no
+# NVML, no CUDA: the agent cannot reach its memory). ComputeDomain channels come from another driver.
+GPU_DRIVER = "gpu.nvidia.com"
+SCRUBBABLE_TYPES = frozenset({"gpu", "mig"})
+
 
 @dataclass(frozen=True)
 class SliceDevice:
-    """A device this node publishes: its GPU UUID and, for a MIG device, the parent GPU's."""
+    """A device this node publishes: its GPU UUID and, for a MIG device, the parent GPU's; `type` as NVIDIA's
+    driver publishes it (`gpu`, `mig`, `vfio`), None where the slice has none."""
 
     uuid: str | None
     parent_uuid: str | None
+    type: str | None = None
+
+
+def unscrubbable(key: DeviceKey, device: SliceDevice) -> str | None:
+    """Why the agent cannot scrub this device of its node, or None when it can."""
+    if key[0] != GPU_DRIVER:
+        return f"driver {key[0]} is not NVIDIA's GPU driver ({GPU_DRIVER}): no GPU memory the agent can reach"
+    if device.type is not None and device.type not in SCRUBBABLE_TYPES:
+        return f"type {device.type} (a GPU bound to vfio-pci for passthrough): NVML and CUDA cannot reach its memory"
+    if not device.uuid:
+        return "no uuid attribute in this node's ResourceSlices: the agent cannot tell which GPU it is"
+    return None
 
 
 def _meta(obj: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +195,28 @@ def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> lis
     ]
 
 
+def finalizer_addition_ops(claim: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """JSON patch adding `scrubgate.dev/sanitize`, failing if the claim's finalizers changed since it was read
+    (where it has none, if anything changed); None when it is there already, or the claim is being deleted (the
+    API server refuses new finalizers then)."""
+    meta = _meta(claim)
+    finalizers = meta.get("finalizers")
+    if (isinstance(finalizers, list) and names.FINALIZER in finalizers) or meta.get("deletionTimestamp"):
+        return None
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
+    if isinstance(finalizers, list):
+        return [
+            *ops,
+            {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": names.FINALIZER},
+        ]
+    return [
+        *ops,
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "add", "path": "/metadata/finalizers", "value": [names.FINALIZER]},
+    ]
+
+
 def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
@@ -217,6 +258,7 @@ def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevi
             found[(driver, pool, name)] = SliceDevice(
                 uuid=_string_attribute(attributes, driver, "uuid"),
                 parent_uuid=_string_attribute(attributes, driver, "parentUUID"),
+                type=_string_attribute(attributes, driver, "type"),
             )
     return found
 

@@ -86,6 +86,24 @@ def test_pod_claim_names_cover_named_and_generated_claims():
     assert claims.pod_claim_names(extended) == ["pod-gpu-4xq"]
 
 
+def test_finalizer_addition_keeps_other_finalizers_and_fails_on_a_change():
+    bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}  # the API omits an empty list
+    assert jsonpatch.apply_patch(bare, claims.finalizer_addition_ops(bare))["metadata"]["finalizers"] == [
+        names.FINALIZER
+    ]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "resourceVersion": "6"}}, claims.finalizer_addition_ops(bare))
+    theirs = {"metadata": {"uid": "u", "finalizers": ["theirs"]}}
+    ops = claims.finalizer_addition_ops(theirs)
+    assert jsonpatch.apply_patch(theirs, ops)["metadata"]["finalizers"] == ["theirs", names.FINALIZER]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs", "new"]}}, ops)
+    assert claims.finalizer_addition_ops({"metadata": {"uid": "u", "finalizers": [names.FINALIZER]}}) is None
+    assert (
+        claims.finalizer_addition_ops({"metadata": {"uid": "u", "deletionTimestamp": "2025-01-01T00:00:00Z"}}) is None
+    )
+
+
 def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
     bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}
     ops = claims.annotation_ops(bare, {names.ANNOTATION_SCRUB_STATUS: "fenced"})

@@ -280,7 +280,11 @@ def test_scheduler_does_not_hand_out_the_parent_gpu_while_the_slice_is_dirty(tmp
             eventually(lambda: "gpu-0" in fences(), "the fences")
             assert set(fences()) == {"gpu-0", "gpu-0-mig-0"}, "the slice and, for its memory, the GPU"
             eventually(lambda: names.TAINT_SCRUB_FAILED in fences().get("gpu-0-mig-0", set()), "the failed scrub")
-            eventually(lambda: not resource.list_namespaced_resource_claim("team-a").items, "the claim's release")
+            # No webhook here: the agent added the finalizer, which keeps the claim object (not its allocation).
+            eventually(
+                lambda: not [c for c in resource.list_namespaced_resource_claim("team-a").items if c.status.allocation],
+                "the claim's deallocation",
+            )
             assert CANARY in simulated.read(root, mig.uuid), "the slice is still dirty"
 
             core.create_namespaced_pod("team-a", _pod("gpu-tenant", "one-gpu", {}))
@@ -292,7 +296,7 @@ def test_scheduler_does_not_hand_out_the_parent_gpu_while_the_slice_is_dirty(tmp
             rescrub.submit(checkpoint, mig.uuid)  # the operator, once the GPU is fixed
             eventually(lambda: core.read_namespaced_pod("gpu-tenant", "team-a").spec.node_name == NODE, "binding")
             assert simulated.read(root, mig.uuid).count(0) == simulated.memory_size(root, mig.uuid)
-            (gpu_claim,) = resource.list_namespaced_resource_claim("team-a").items
+            (gpu_claim,) = [c for c in resource.list_namespaced_resource_claim("team-a").items if c.status.allocation]
             assert [(r.driver, r.device) for r in gpu_claim.status.allocation.devices.results] == [(DRIVER, "gpu-0")]
         finally:
             stop.set()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
-from agent_support import make_node
+from agent_support import DRIVER, NODE, make_node
 from scrubgate.policies import names
 from scrubgate.sanitizer_agent.checkpoint import State
 
@@ -69,3 +70,72 @@ def test_an_extended_resource_claim_is_fenced_from_the_pod_event_and_scrubbed(tm
     annotations = node.cluster.claims[("team-a", "pod-gpu-x7k2q")]["metadata"]["annotations"]
     assert names.ANNOTATION_ATTESTATION in annotations
     assert node.violations.found == []
+
+
+def test_a_gpu_claim_without_the_finalizer_gets_it_and_a_warning(tmp_path):
+    """A class per GPU model (`h100-80gb`, selecting gpu.nvidia.com's devices) outside gpuDeviceClasses: the
+    webhook added no finalizer. The ResourceSlice says the device is a GPU, so the agent adds it."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim = node.cluster.add_claim("team-a", "model", [node.key(0)], finalizer=False)
+    node.cluster.claims[("team-a", "model")]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = (
+        "h100-80gb"
+    )
+    pod = node.cluster.add_pod("team-a", "model-pod", NODE, ["model"])
+    agent.observe_pod("ADDED", pod)
+    stored = node.cluster.claims[("team-a", "model")]
+    assert names.FINALIZER in stored["metadata"]["finalizers"]
+    (event,) = [e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]
+    assert event["type"] == "Warning"
+    assert event["involvedObject"]["name"] == "model" and event["involvedObject"]["uid"] == claim["metadata"]["uid"]
+    assert "h100-80gb" in event["message"] and "gpuDeviceClasses" in event["message"]
+    agent.resync()
+    assert len([e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]) == 1, "once"
+
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(0)
+    after = node.cluster.claims[("team-a", "model")]
+    assert names.ANNOTATION_ATTESTATION in after["metadata"]["annotations"]
+    assert names.FINALIZER not in after["metadata"]["finalizers"], "removed again with the attestation"
+    assert node.violations.found == []
+
+
+def test_no_finalizer_is_added_to_a_claim_being_deleted(tmp_path):
+    """The API server refuses new finalizers on an object being deleted: the agent does not try."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "going", [node.key(0)], finalizer=False)
+    meta = node.cluster.claims[("team-a", "going")]["metadata"]
+    meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    meta["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]  # the resourceclaim controller's, held while allocated
+    pod = node.cluster.add_pod("team-a", "going-pod", NODE, ["going"])
+    agent.observe_pod("ADDED", pod)
+    assert node.fenced(0)
+    assert node.cluster.claims[("team-a", "going")]["metadata"]["finalizers"] == [names.DELETE_PROTECTION_FINALIZER]
+    assert not [e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]
+
+
+def test_devices_the_agent_cannot_scrub_are_left_alone_and_said_once(tmp_path, caplog):
+    """A GPU bound to vfio-pci (NVIDIA's `type: vfio`) and a ComputeDomain channel (another driver, no uuid): no
+    fence that no scrub would ever lift, no teardown holding the claim; one log line per device."""
+    node = make_node(tmp_path)
+    node.cluster.add_slice(NODE, DRIVER, NODE, {"vfio-0": {"type": "vfio", "uuid": "GPU-vfio-0"}})
+    node.cluster.add_slice(NODE, "compute-domain.nvidia.com", NODE, {"channel-0": {"type": "channel"}})
+    agent = node.agent()
+    agent.start()
+    vfio, channel = (DRIVER, NODE, "vfio-0"), ("compute-domain.nvidia.com", NODE, "channel-0")
+    claim = node.cluster.add_claim("team-a", "passthrough", [vfio, channel])
+    pod = node.cluster.add_pod("team-a", "vm-pod", NODE, ["passthrough"])
+    with caplog.at_level(logging.WARNING, logger="scrubgate.sanitizer_agent.agent"):
+        agent.observe_pod("ADDED", pod)
+        agent.observe_pod("MODIFIED", node.cluster.pods[pod["metadata"]["uid"]])
+        agent.resync()
+    assert claim["metadata"]["uid"] not in agent.store.teardowns
+    assert not node.cluster.rules
+    said = [r.getMessage() for r in caplog.records if "is not scrubbed or fenced" in r.getMessage()]
+    assert len(said) == 2, said
+    assert any("vfio-0" in m and "vfio-pci" in m for m in said)
+    assert any("channel-0" in m and "compute-domain.nvidia.com" in m for m in said)
