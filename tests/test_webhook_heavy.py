@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from scrubgate.policies.config import load_policy
 from scrubgate.webhook import handlers
-from scrubgate.webhook.transport import decode
+from scrubgate.webhook.transport import decode, request_timeout
 from webhook_support import audit_records, gpu_claim, gpu_pod, review, serving
 
 FENCE_TOLERATION = {"key": "scrubgate.dev/unsanitized", "operator": "Exists", "effect": "NoSchedule"}
@@ -84,3 +85,47 @@ def test_a_deny_message_lists_at_most_twenty_findings(size):
     message = outcome.response.status.message
     assert message.count("SG005") == min(size, 20)
     assert ("more findings" in message) is (size > 20)
+
+
+def test_a_heavy_request_the_api_server_stopped_waiting_for_is_not_evaluated(tmp_path, monkeypatch):
+    """The worker is busy past the second request's `?timeout=1s`: its turn comes too late, and it is skipped."""
+    entered, release = threading.Semaphore(0), threading.Event()
+    evaluated: list[str] = []
+    real = handlers.handle_validate
+
+    def held(request, policy, *, trusted):
+        evaluated.append(request.uid)
+        if len(evaluated) == 1:
+            entered.release()
+            release.wait(30)
+        return real(request, policy, trusted=trusted)
+
+    monkeypatch.setattr(handlers, "handle_validate", held)
+    with serving(tmp_path) as webhook:
+        statuses: dict[str, int] = {}
+
+        def post_heavy(name: str, query: str) -> None:
+            body = json.dumps(review(heavy_pod(5_000))).encode()
+            with webhook.client() as client:
+                response = client.post(f"/validate{query}", content=body, headers={"content-type": "application/json"})
+                statuses[name] = response.status_code
+
+        first = threading.Thread(target=post_heavy, args=("first", "?timeout=30s"))
+        first.start()
+        assert entered.acquire(timeout=20)
+        late = threading.Thread(target=post_heavy, args=("late", "?timeout=1s"))
+        late.start()
+        time.sleep(1.5)  # past the late request's timeout while the worker is still busy
+        release.set()
+        first.join(30)
+        late.join(30)
+        assert statuses == {"first": 200, "late": 503}
+        assert len(evaluated) == 1, "the late request never reached the policy"
+
+
+@pytest.mark.parametrize(
+    ("query", "seconds"),
+    [(b"timeout=5s", 5.0), (b"timeout=1m0s", 60.0), (b"timeout=500ms", 0.5), (b"", None), (b"timeout=soon", None)],
+)
+def test_the_api_servers_timeout_is_read_from_the_query(query, seconds):
+    assert request_timeout(query) == seconds

@@ -42,7 +42,15 @@ from .policy_reload import PolicySource
 from .repeats import RepeatedRefusals, refusal_key
 from .review import AdmissionRequest
 from .tls import ServingTLS
-from .transport import TransportError, check_content_type, decode, encode, encode_error, read_body
+from .transport import (
+    TransportError,
+    check_content_type,
+    decode,
+    encode,
+    encode_error,
+    read_body,
+    request_timeout,
+)
 
 log = logging.getLogger(__name__)
 audit_log = logging.getLogger("scrubgate.audit")
@@ -127,6 +135,7 @@ def refusal_reason(path: str) -> str:
 
 
 Handler = Callable[[AdmissionRequest, PolicyConfig], Outcome]
+EXPIRED = 503  # the HTTP status of a request not evaluated because its caller stopped waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +183,15 @@ class AdmissionEndpoint:
             if len(body) > state.heavy_body_bytes:
                 # Decoding and evaluating a big object takes long enough to hold up every small request behind
                 # it: a worker thread does it (and frees the object), the event loop keeps serving.
+                timeout = request_timeout(scope.get("query_string", b""))
+                deadline = started + timeout if timeout is not None else None
                 loop = asyncio.get_running_loop()
-                decided = await loop.run_in_executor(state.heavy_pool, self.decide, body, True)
+                decided = await loop.run_in_executor(state.heavy_pool, partial(self.decide, body, deadline, heavy=True))
             else:
                 decided = self.decide(body)
         except TransportError as err:
-            metrics.admission.count(webhook, "", "", "invalid", time.perf_counter() - started)
+            decision = "expired" if err.status == EXPIRED else "invalid"
+            metrics.admission.count(webhook, "", "", decision, time.perf_counter() - started)
             log.warning(
                 "refused a malformed admission request on %s: %s", webhook, err.message, extra={"status": err.status}
             )
@@ -210,10 +222,15 @@ class AdmissionEndpoint:
             )
         return 200, encode(outcome.response)
 
-    def decide(self, body: bytes, heavy: bool = False) -> Decided:
-        """Decodes and evaluates; raises TransportError for a malformed request. Touches no shared state
-        but the policy in force, so it may run on a worker thread; `heavy` keeps only the objects' metadata
-        (all that the audit record reads), so that the big objects are freed on that thread."""
+    def decide(self, body: bytes, deadline: float | None = None, *, heavy: bool = False) -> Decided:
+        """Decodes and evaluates; raises TransportError for a malformed request, or one whose `deadline` (the
+        API server's timeout, on the perf_counter clock) passed while it waited. Touches no shared state but the
+        policy in force, so it may run on a worker thread; `heavy` keeps only the objects' metadata (all that
+        the audit record reads), so that the big objects are freed on that thread."""
+        if deadline is not None and time.perf_counter() > deadline:
+            # Nobody waits for the answer any more (the API server has refused the request): leave the worker
+            # to the requests that may still be answered in time.
+            raise TransportError(EXPIRED, "the API server's timeout passed while this request waited; not evaluated")
         request = decode(body)
         policy = self.state.policy.policy
         try:

@@ -67,7 +67,7 @@ class AdmissionTally(Collector):
         requests = CounterMetricFamily(
             REQUESTS,
             "Admission requests by webhook, operation, kind and decision "
-            "(allow, deny, warn, audit, patch, error, invalid).",
+            "(allow, deny, warn, audit, patch, error, invalid, expired: not evaluated, the API server had stopped waiting).",
             labels=("webhook", "operation", "kind", "decision"),
         )
         for labels, (value, created) in list(self._requests.items()):
