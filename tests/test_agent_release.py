@@ -139,3 +139,28 @@ def test_devices_the_agent_cannot_scrub_are_left_alone_and_said_once(tmp_path, c
     assert len(said) == 2, said
     assert any("vfio-0" in m and "vfio-pci" in m for m in said)
     assert any("channel-0" in m and "compute-domain.nvidia.com" in m for m in said)
+
+
+def test_the_attestation_is_written_as_an_update_of_the_claim(tmp_path):
+    """The resourceclaim controller requeues a claim on any update of it, so its refused deallocation is retried
+    right after the attestation lands, not at the end of its backoff (up to 1000 s): the attestation must be a
+    write of the claim object itself (its annotations), not of a status or another object."""
+    node = make_node(tmp_path)
+    writes: list[tuple[str, str, list[dict]]] = []
+    monitor = node.cluster.hook
+
+    def hook(operation, args):
+        monitor(operation, args)
+        if operation == "patch_claim":
+            writes.append(args)
+
+    node.cluster.hook = hook
+    agent = node.agent()
+    agent.start()
+    node.job_ends(agent)
+    node.settle(agent)
+    key = "/metadata/annotations/" + names.ANNOTATION_ATTESTATION.replace("/", "~1")
+    attesting = [(ns, name) for ns, name, ops in writes if any(op["path"] == key for op in ops)]
+    assert attesting[:1] == [("team-a", "job")], "the attestation went into the claim's own annotations"
+    assert names.ANNOTATION_ATTESTATION in node.cluster.claims[("team-a", "job")]["metadata"]["annotations"]
+    assert node.violations.found == []
