@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from scrubgate.webhook.repeats import RepeatedRefusals
 from test_webhook_deallocation import deallocation_review
-from webhook_support import AGENT_KEYS, allocated_claim, audit_records, post_review, serving
+from webhook_support import AGENT_KEYS, allocated_claim, audit_records, post_review, review, serving, with_changes
 
 CONTROLLER = {
     "username": "system:serviceaccount:kube-system:resource-claim-controller",
@@ -88,3 +88,14 @@ def test_the_table_is_bounded_and_a_forgotten_refusal_is_recorded_again():
     assert [repeats.record(key) for key in (b"a", b"b", b"c")] == [0, 0, 0]
     assert repeats.record(b"a") == 0, "evicted: more records, never fewer"
     assert repeats.record(b"c") is None
+
+
+def test_repeated_refusals_of_the_object_itself_are_each_recorded(webhook):
+    """A person trying again (the finalizer's removal, say) is worth a record each time: only status writes,
+    the controller's retries, are recorded once."""
+    held = claim_with_uid("c1a1m000-0000-4000-8000-00000000000d")
+    released = with_changes(held, finalizers=[])
+    for _ in range(3):
+        body = review(released, operation="UPDATE", old=held)
+        assert post_review(webhook, "/validate", body)["allowed"] is False
+    assert len(audit_records(webhook)) == 3

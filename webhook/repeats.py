@@ -1,10 +1,11 @@
 """Which refusals go into the audit log: the first of identical ones, not each retry.
 
-The resourceclaim controller retries a refused deallocation with backoff (5 ms doubling) until the agent's
-attestation is on the claim: a dozen identical refusals per released claim, expected, and nothing an auditor
-learns from beyond the first. A refusal is a repeat when the same user made the same request (operation,
-subresource) on the same object (its UID) with the same findings, within the window; a repeat is counted, not
-recorded, and the next record of that refusal says how many were left out. The table is bounded: the oldest
+The resourceclaim controller retries a refused deallocation (a status write) with backoff (5 ms doubling)
+until the agent's attestation is on the claim: a dozen identical refusals per released claim, expected, and
+nothing an auditor learns from beyond the first. A refused status write is a repeat when the same user made the
+same request (apiVersion, kind, operation) on the same object (its UID) with the same findings, within the
+window; a repeat is counted, not recorded, and the next record of that refusal says how many were left out.
+Refusals of anything else are all recorded. The table is bounded: the oldest
 entries go first, after which their refusal is recorded again (more records, never fewer).
 """
 
@@ -22,11 +23,12 @@ from .review import AdmissionRequest
 
 
 def refusal_key(request: AdmissionRequest, findings: Sequence[Finding]) -> bytes | None:
-    """What makes two refusals the same, as a digest (of the findings a record shows, and their number); None
-    for a request about no stored object (a CREATE's object has a new UID every time): always recorded."""
+    """What makes two refusals of a status write the same, as a digest (of the findings a record shows, and
+    their number); None for any other request, which is always recorded: a person's attempts on the object
+    itself are each worth a record."""
     meta = (request.old_object or {}).get("metadata") or {}
     uid = meta.get("uid")
-    if not uid:
+    if not uid or request.sub_resource != "status":
         return None
     shown = [(f.rule, f.action, f.path, f.message) for f in findings[:MAX_FINDINGS_SHOWN]]
     key = [uid, request.api_version, request.kind_name, request.operation, request.sub_resource]
