@@ -36,8 +36,10 @@ def test_release_reasons():
     assert claims.release_reason(claim, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason(None, "u1", set()) == "claim deleted"
     assert claims.release_reason({**claim, "metadata": {"uid": "u2"}}, "u1", set()).startswith("claim deleted")
+    # Deletion only stops new reservations: the reserved pod keeps running on the device.
     deleting = {**claim, "metadata": {"uid": "u1", "deletionTimestamp": "2025-01-01T00:00:00Z"}}
-    assert claims.release_reason(deleting, "u1", set()) == "claim is being deleted"
+    assert claims.release_reason(deleting, "u1", set()) is None
+    assert claims.release_reason(deleting, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason({**claim, "status": {"reservedFor": claim["status"]["reservedFor"]}}, "u1", set()) == (
         "allocation cleared"
     )
@@ -78,6 +80,26 @@ def test_pod_claim_names_cover_named_and_generated_claims():
         "status": {"resourceClaimStatuses": [{"name": "b", "resourceClaimName": "pod-b-xyz"}, {"name": "c"}]},
     }
     assert claims.pod_claim_names(pod) == ["shared", "pod-b-xyz"]
+    extended = {"status": {"extendedResourceClaimStatus": {"resourceClaimName": "pod-gpu-4xq", "requestMappings": []}}}
+    assert claims.pod_claim_names(extended) == ["pod-gpu-4xq"]
+
+
+def test_finalizer_addition_keeps_other_finalizers_and_fails_on_a_change():
+    bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}  # the API omits an empty list
+    assert jsonpatch.apply_patch(bare, claims.finalizer_addition_ops(bare))["metadata"]["finalizers"] == [
+        names.FINALIZER
+    ]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "resourceVersion": "6"}}, claims.finalizer_addition_ops(bare))
+    theirs = {"metadata": {"uid": "u", "finalizers": ["theirs"]}}
+    ops = claims.finalizer_addition_ops(theirs)
+    assert jsonpatch.apply_patch(theirs, ops)["metadata"]["finalizers"] == ["theirs", names.FINALIZER]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs", "new"]}}, ops)
+    assert claims.finalizer_addition_ops({"metadata": {"uid": "u", "finalizers": [names.FINALIZER]}}) is None
+    assert (
+        claims.finalizer_addition_ops({"metadata": {"uid": "u", "deletionTimestamp": "2025-01-01T00:00:00Z"}}) is None
+    )
 
 
 def test_annotation_ops_never_drop_a_concurrent_writers_annotation():

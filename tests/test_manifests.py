@@ -498,6 +498,7 @@ def test_webhook_deployment(docs: list[Doc]):
         "--port", "8443",
         "--policy", "/etc/scrubgate/policy/policy.yaml",
         "--audit-log", "/var/log/scrubgate/audit.jsonl",
+        "--client-ca", "/etc/scrubgate/client-ca/ca.crt",
     ]  # fmt: skip
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
@@ -532,6 +533,8 @@ def test_webhook_mounts_what_its_arguments_name(docs: list[Doc]):
     configmap = one(docs, "ConfigMap", policy_volume["configMap"]["name"])
     assert configmap["data"]["policy.yaml"] == (REPO / "policies" / "default.yaml").read_text()
     assert "emptyDir" in volumes[mounts["/var/log/scrubgate"]["name"]]
+    # Only the API server, with a client certificate of this CA, gets admission decisions.
+    assert volumes[mounts["/etc/scrubgate/client-ca"]["name"]]["configMap"]["name"] == "scrubgate-webhook-client-ca"
 
 
 def test_disruption_budget_keeps_a_replica(docs: list[Doc]):
