@@ -1,5 +1,5 @@
 """The whole lifecycle under load: 200 claims (MIG slices and whole GPUs) on 8 simulated GPUs x 7 MIG slices,
-through the real webhook and the real agent on the API stand-in (devcluster.load's workload, shared with
+through the real webhook and the real agent on the real control plane (devcluster.load's workload, shared with
 bench/lifecycle.py, which reports the figures). Every claim must end fenced, scrubbed, attested, unfenced
 and released; the observer must see no dirty allocation and no unattested finalizer removal; no tenant may
 find an earlier tenant's canary; and a tenant stripping finalizers meanwhile is denied every time, with
