@@ -328,8 +328,9 @@ class Agent:
         devices = []
         for key in keys:
             known = self._slice(key)
-            # Ours: a device of this node that names a GPU, or one our own annotation recorded.
-            if (known is not None and known.uuid) or key in recorded:
+            # Ours: a device of this node that names a GPU or a dynamic MIG placement, or one our own
+            # annotation recorded.
+            if (known is not None and (known.uuid or known.placement)) or key in recorded:
                 devices.append((key, (known.uuid if known else None) or recorded.get(key)))
         if not devices:
             return None

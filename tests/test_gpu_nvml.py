@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from scrubgate.policies.names import ATTESTATION_METHOD
-from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, open_backend
+from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, MigPlacement, open_backend
 from scrubgate.sanitizer_agent.gpu.nvml import NvmlBackend
 
 FAKES = Path(__file__).parent / "fakes"
@@ -328,3 +328,73 @@ def test_a_node_without_nvml_events_says_how_to_run_without_them(node, open_nvml
     with pytest.raises(GpuError, match="watch_xids=False"):
         open_nvml(watch_xids=True)
     assert open_nvml().list_devices()
+
+
+# ---------------------------------------------------------------- dynamic MIG: scrub through a placement
+
+
+def gpu_record(uuid: str) -> dict[str, Any]:
+    return next(g for g in sys.modules["fakegpu"].load()["gpus"] if g["uuid"] == uuid)
+
+
+def test_a_deleted_dynamic_mig_device_is_scrubbed_through_a_gpu_instance_at_its_placement(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)  # a 2-slice instance on memory slices 2 and 3
+    neighbour = node.create_mig(gpu, "19", start=4)
+    node.fill(tenant["uuid"], CANARY)
+    node.fill(neighbour["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])  # NVIDIA's driver unprepares the claim
+    leftover = node.root / "mem" / tenant["memoryFile"]
+    assert CANARY in leftover.read_bytes(), "the placement's memory still holds the tenant's bytes"
+
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 15, 2, 2))
+    assert result.verified, result.reason
+    assert result.bytes_scrubbed > 0 and result.bytes_unreachable == result.bytes_total - result.bytes_scrubbed
+    assert leftover.read_bytes().count(CANARY) * len(CANARY) <= result.bytes_unreachable
+    after = gpu_record(gpu["uuid"])
+    assert [(g["start"], g["size"]) for g in after["gis"]] == [(4, 1)], "the scrub's GPU instance is destroyed"
+    assert [m["uuid"] for m in after["migs"]] == [neighbour["uuid"]]
+    assert canary_bytes(node, neighbour["uuid"]) == neighbour["memory"], "the neighbour is untouched"
+
+
+def test_a_mig_device_not_yet_unprepared_is_scrubbed_through_itself(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "19", start=1)
+    node.fill(tenant["uuid"], CANARY)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert result.verified and result.uuid == tenant["uuid"]
+    assert len(gpu_record(gpu["uuid"])["gis"]) == 1, "nothing created, nothing destroyed"
+
+
+def test_memory_slices_another_instance_holds_fail_closed(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    other = node.create_mig(gpu, "15", start=0)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert not result.verified and other["uuid"] in result.reason and "held by" in result.reason
+
+
+def test_no_permission_to_create_gpu_instances_fails_closed_and_says_so(node, open_nvml):
+    gpu = node.add_gpu(mig=[], noMigPermission=True)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 3, 1))
+    assert not result.verified and "Insufficient Permissions" in result.reason
+    assert "cannot create a GPU instance" in result.reason
+
+
+def test_a_gpu_the_driver_took_out_of_mig_mode_is_scrubbed_whole(node, open_nvml):
+    gpu = node.add_gpu(memory=16 * MiB)  # MIG off again after the last dynamic MIG device went
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 0, 1))
+    assert result.verified and result.uuid == gpu["uuid"]
+    assert canary_bytes(node, gpu["uuid"]) <= result.bytes_unreachable
+
+
+def test_processes_on_a_placement_are_those_of_overlapping_mig_devices(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    wide = node.create_mig(gpu, "15", start=0)
+    node.create_mig(gpu, "19", start=4)
+    for m in gpu["migs"]:
+        m["processes"] = {"compute": [[7000 + m["slot"], MiB]], "graphics": [], "mps": []}
+    node.save()
+    backend = open_nvml()
+    assert [p.pid for p in backend.placement_processes(MigPlacement(gpu["uuid"], 19, 1, 1))] == [7000 + wide["slot"]]
+    assert backend.placement_processes(MigPlacement(gpu["uuid"], 19, 6, 1)) == []

@@ -11,6 +11,7 @@ from .base import (
     GpuError,
     GpuProcess,
     HealthSnapshot,
+    MigPlacement,
     ScrubResult,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "GpuError",
     "GpuProcess",
     "HealthSnapshot",
+    "MigPlacement",
     "ScrubResult",
     "open_backend",
 ]

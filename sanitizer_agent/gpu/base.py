@@ -53,6 +53,22 @@ class GpuDevice:
 
 
 @dataclass(frozen=True)
+class MigPlacement:
+    """Where a dynamic MIG device lives on its GPU: NVIDIA's driver creates it on prepare and deletes it on
+    unprepare, so after release only this (GPU, GPU instance profile ID, memory slices) is left to scrub.
+    A GPU instance created with this profile at this placement owns exactly these memory slices."""
+
+    parent_uuid: str
+    profile_id: int  # nvmlGpuInstanceProfileInfo_t.id, as in the device name gpu-<minor>-mig-<profile>-<id>-<start>
+    start: int  # first memory slice
+    size: int  # memory slices
+
+    @property
+    def slices(self) -> frozenset[int]:
+        return frozenset(range(self.start, self.start + self.size))
+
+
+@dataclass(frozen=True)
 class GpuProcess:
     pid: int
     kind: ProcessKind
@@ -137,6 +153,16 @@ class GpuBackend(Protocol):
         A scrub that fails returns ``verified=False`` with a reason; GpuError only when the device
         cannot be reached at all.
         """
+        ...
+
+    def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
+        """Processes on any MIG device whose memory overlaps ``placement`` (none once the driver deleted
+        the device); raises GpuError."""
+        ...
+
+    def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        """Zero and verify the memory slices of ``placement`` through a GPU instance the backend creates
+        there (and destroys afterwards); as ``scrub`` for failures."""
         ...
 
     def scrub_on_free_disabled(self) -> bool | None:

@@ -23,8 +23,17 @@ from typing import Any
 
 from scrubgate.policies.names import ATTESTATION_METHOD
 
-from . import cuda_scrub
-from .base import CRITICAL_XIDS, GpuDevice, GpuError, GpuProcess, HealthSnapshot, ProcessKind, ScrubResult
+from . import cuda_scrub, mig
+from .base import (
+    CRITICAL_XIDS,
+    GpuDevice,
+    GpuError,
+    GpuProcess,
+    HealthSnapshot,
+    MigPlacement,
+    ProcessKind,
+    ScrubResult,
+)
 from .driver_params import PARAMS_PATH, scrub_on_free_disabled
 
 log = logging.getLogger(__name__)
@@ -323,6 +332,40 @@ class NvmlBackend:
             return result(False, reason, total, reserved, scrubbed, kernel_s)
         return result(True, None, total, reserved, scrubbed, kernel_s)
 
+    def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
+        gpu = self._resolve(placement.parent_uuid)
+        if not gpu.mig_enabled:
+            return self.processes(placement.parent_uuid)  # MIG off again: the placement is part of the GPU
+        try:
+            overlapping = [live.uuid for live in mig.live_instances(self._nvml, gpu.handle) if live.overlaps(placement)]
+        except self._nvml.NVMLError as exc:
+            raise GpuError(
+                f"NVML cannot list the MIG devices of {placement.parent_uuid}: {exc}", placement.parent_uuid
+            ) from exc
+        return [p for uuid in overlapping for p in self.processes(uuid)]
+
+    def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        parent = placement.parent_uuid
+        gpu = self._resolve(parent)
+        if not gpu.mig_enabled:
+            # NVIDIA's driver turned MIG off after the last MIG device went: the placement's memory is now
+            # part of the whole GPU, which its teardown fences as well (it shares the memory slices).
+            return self.scrub(parent)
+        try:
+            live = [m for m in mig.live_instances(self._nvml, gpu.handle) if m.overlaps(placement)]
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot list the MIG devices of {parent}: {exc}", parent) from exc
+        if len(live) == 1 and live[0].is_at(placement):
+            return self.scrub(live[0].uuid)  # not unprepared yet: the same memory, through the same device
+        if live:
+            held = ", ".join(f"{m.uuid} (slices {m.start}..{m.start + m.size - 1})" for m in live)
+            return _unverified(placement, f"memory slices of {_where(placement)} are held by MIG device {held}")
+        try:
+            with mig.scratch_instance(self._nvml, gpu.handle, placement) as uuid:
+                return self.scrub(uuid)
+        except GpuError as exc:
+            return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
+
     def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
         """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""
         env = {**os.environ, **self.child_env, "CUDA_VISIBLE_DEVICES": uuid}
@@ -354,6 +397,25 @@ class NvmlBackend:
 
     def scrub_on_free_disabled(self) -> bool | None:
         return scrub_on_free_disabled(self.params_path)
+
+
+def _where(placement: MigPlacement) -> str:
+    end = placement.start + placement.size - 1
+    return f"GPU {placement.parent_uuid} memory slices {placement.start}..{end} (GI profile {placement.profile_id})"
+
+
+def _unverified(placement: MigPlacement, reason: str) -> ScrubResult:
+    return ScrubResult(
+        uuid=placement.parent_uuid,
+        bytes_scrubbed=0,
+        bytes_total=0,
+        bytes_reserved=0,
+        bytes_unreachable=0,
+        duration_s=0.0,
+        verified=False,
+        method=NvmlBackend.method,
+        reason=reason,
+    )
 
 
 def _last_json_line(stdout: str) -> dict[str, Any] | None:

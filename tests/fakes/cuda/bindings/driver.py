@@ -212,14 +212,14 @@ def _span(ptr: Any, length: int) -> int | None:
 
 def _read(offset: int, length: int) -> bytes:
     assert _state.device is not None
-    with open(fakegpu.memory_path(_state.device["uuid"]), "rb") as f:
+    with open(fakegpu.device_memory_path(_state.device), "rb") as f:
         f.seek(offset)
         return f.read(length)
 
 
 def _write(offset: int, data: bytes) -> None:
     assert _state.device is not None
-    with open(fakegpu.memory_path(_state.device["uuid"]), "r+b") as f:
+    with open(fakegpu.device_memory_path(_state.device), "r+b") as f:
         f.seek(offset)
         f.write(data)
 
