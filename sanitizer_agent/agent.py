@@ -40,6 +40,7 @@ from .claims import (
     scrub_status,
     slice_devices,
 )
+from .device_access import require_device_access
 from .fences import Fencer
 from .gpu import GpuBackend
 from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
@@ -141,6 +142,7 @@ class Agent:
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()
+        require_device_access(self.node, self._slices, self.backend)
         owed = [td for td in self.store.teardowns.values() if td.state in FENCED_STATES]
         if owed:
             log.info("node %s: checkpoint owes %d teardown(s); re-fencing them first", self.node, len(owed))

@@ -146,6 +146,7 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     from .agent import Agent, AgentSettings
     from .checkpoint import CheckpointError, CheckpointStore
+    from .device_access import DeviceAccessError
     from .gpu import open_backend
     from .kube import ClusterError, KubernetesClusterClient
     from .metrics import AgentMetrics, serve
@@ -210,6 +211,9 @@ def _run_agent(args: argparse.Namespace) -> int:
         return 1
     except ClusterError as exc:
         log.critical("cannot reach the API server at start-up on node %s: %s", args.node, exc)
+        return 1
+    except DeviceAccessError as exc:
+        log.critical("%s", exc)
         return 1
     finally:
         backend.close()

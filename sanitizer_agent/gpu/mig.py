@@ -11,12 +11,35 @@ capability: root in the host's view, or read access to `/proc/driver/nvidia/capa
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .base import GpuError, MigPlacement
+
+MIG_CONFIG_CAPABILITY = Path("/proc/driver/nvidia/capabilities/mig/config")
+CAPS_DEVICE_DIR = Path("/dev/nvidia-caps")
+
+
+def config_capability_problem(proc_file: Path = MIG_CONFIG_CAPABILITY, dev_dir: Path = CAPS_DEVICE_DIR) -> str | None:
+    """Why the MIG config capability cannot be used here, or None when its device node opens."""
+    try:
+        text = proc_file.read_text()
+    except OSError as exc:
+        return f"cannot read {proc_file} ({exc.strerror or exc}); the driver has no MIG or /proc is not the host's"
+    match = re.search(r"DeviceFileMinor:\s*(\d+)", text)
+    if match is None:
+        return f"{proc_file} names no DeviceFileMinor"
+    node = dev_dir / f"nvidia-cap{match.group(1)}"
+    try:
+        os.close(os.open(node, os.O_RDONLY))
+    except OSError as exc:
+        return f"cannot open {node} ({exc.strerror or exc})"
+    return None
 
 
 @dataclass(frozen=True)

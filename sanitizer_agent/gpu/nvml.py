@@ -73,6 +73,7 @@ class NvmlBackend:
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
         params_path: Path = PARAMS_PATH,
+        mig_config_path: Path = mig.MIG_CONFIG_CAPABILITY,
     ) -> None:
         try:
             self._nvml = importlib.import_module("pynvml")
@@ -87,6 +88,7 @@ class NvmlBackend:
         self.python = python
         self.child_env = dict(child_env or {})
         self.params_path = params_path
+        self.mig_config_path = mig_config_path
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
@@ -397,6 +399,11 @@ class NvmlBackend:
 
     def scrub_on_free_disabled(self) -> bool | None:
         return scrub_on_free_disabled(self.params_path)
+
+    def mig_management_problem(self) -> str | None:
+        """Why this process cannot create GPU instances, or None: the MIG config capability's device node
+        (named by `DeviceFileMinor` in its /proc file) must open."""
+        return mig.config_capability_problem(self.mig_config_path)
 
 
 def _where(placement: MigPlacement) -> str:
