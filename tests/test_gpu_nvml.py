@@ -169,6 +169,49 @@ def test_health_without_ecc_row_remapping_or_recovery_field(node, open_nvml):
     assert health.healthy
 
 
+def test_xids_are_classified_as_nvidias_driver_does(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    for xid in (13, 31, 43, 45, 68, 109, 62, 154):  # application faults, then two that are not
+        fake_nvml().fake_emit_xid(gpu["uuid"], xid)
+    assert wait_for(lambda: len(backend.health(gpu["uuid"], 0).xids) == 2)
+    assert backend.health(gpu["uuid"], 0).xids == (62, 154)
+
+
+def test_mig_xids_belong_to_their_gpu_instance(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB, 8 * MiB])
+    first, second = gpu["migs"]
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=first["gi"])
+    assert wait_for(lambda: backend.health(first["uuid"], 0).xids) == (94,)
+    assert backend.health(second["uuid"], 0).xids == (), "a sibling's contained ECC error is not ours"
+    assert backend.health(gpu["uuid"], 0).xids == (94,), "the whole GPU's memory includes it"
+    fake_nvml().fake_emit_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
+    assert wait_for(lambda: backend.health(second["uuid"], 0).xids) == (79,)
+
+
+def test_the_xid_watch_survives_nvml_errors_and_stops_only_when_the_gpu_is_lost(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_break_event_sets(fake_nvml().NVML_ERROR_UNKNOWN)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 48)
+    assert wait_for(lambda: backend.health(gpu["uuid"], 0).xids) == (48,), "retried, and still watching"
+    assert backend._xids is not None and backend._xids.wait_errors == 1
+
+
+def test_ecc_errors_count_from_the_allocation_not_from_driver_load(node, open_nvml):
+    gpu = node.add_gpu(ecc=2)  # two old errors, from before any tenant of ours
+    backend = open_nvml()
+    allocated = time.time()
+    assert backend.health(gpu["uuid"], allocated).healthy, "old errors do not fence the GPU forever"
+    assert backend.health(gpu["uuid"], 0).ecc_uncorrectable_volatile == 2, "no baseline before the agent looked"
+    node.data["gpus"][0]["ecc"] = 3
+    node.save()
+    health = backend.health(gpu["uuid"], allocated)
+    assert health.ecc_uncorrectable_volatile == 1 and not health.healthy
+    assert "1 uncorrectable ECC errors since the allocation" in health.problems()
+
+
 def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
     gpu = node.add_gpu(mig=[8 * MiB])
     other = node.add_gpu()

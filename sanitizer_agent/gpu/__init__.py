@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from .base import (
-    CRITICAL_XIDS,
+    APPLICATION_XIDS,
     GpuBackend,
     GpuDevice,
     GpuError,
@@ -13,6 +13,7 @@ from .base import (
     HealthSnapshot,
     MigPlacement,
     ScrubResult,
+    critical_xid,
 )
 
 BackendKind = Literal["nvml", "simulated"]
@@ -32,7 +33,7 @@ def open_backend(kind: BackendKind, **options: Any) -> GpuBackend:
 
 
 __all__ = [
-    "CRITICAL_XIDS",
+    "APPLICATION_XIDS",
     "BackendKind",
     "GpuBackend",
     "GpuDevice",
@@ -41,5 +42,6 @@ __all__ = [
     "HealthSnapshot",
     "MigPlacement",
     "ScrubResult",
+    "critical_xid",
     "open_backend",
 ]

@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-# XIDs after which the GPU's memory or its isolation cannot be trusted until an operator looks:
-# 48 double-bit ECC, 63/64 row-remapping (pending/failed), 74 NVLink, 79 fallen off the bus,
-# 92 high single-bit ECC rate, 94 contained / 95 uncontained ECC, 119/120 GSP errors,
-# 140 unrecovered ECC. Others (13, 31, 43, 45...) are application faults the tenant caused.
-CRITICAL_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+# Application XIDs: faults a tenant's own program causes (13 graphics engine exception, 31 memory page
+# fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109 context
+# switch timeout). NVIDIA's DRA driver ignores exactly these; every other XID makes the GPU suspect.
+APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+
+
+def critical_xid(xid: int) -> bool:
+    return xid not in APPLICATION_XIDS
+
 
 # nvmlGpuRecoveryAction_t, for the operator reading a failure reason.
 RECOVERY_ACTIONS: dict[int, str] = {
@@ -77,6 +81,7 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class HealthSnapshot:
+    # Uncorrectable ECC errors since the device's allocation (the baseline), not since driver load.
     ecc_uncorrectable_volatile: int
     remapped_rows_pending: bool
     remapped_rows_failed: bool
@@ -92,7 +97,7 @@ class HealthSnapshot:
     def problems(self) -> list[str]:
         found = []
         if self.ecc_uncorrectable_volatile:
-            found.append(f"{self.ecc_uncorrectable_volatile} uncorrectable ECC errors since driver load")
+            found.append(f"{self.ecc_uncorrectable_volatile} uncorrectable ECC errors since the allocation")
         if self.remapped_rows_pending:
             found.append("row remapping pending (GPU reset needed)")
         if self.remapped_rows_failed:

@@ -7,14 +7,12 @@ and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds
 
 from __future__ import annotations
 
-import collections
 import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +23,6 @@ from scrubgate.policies.names import ATTESTATION_METHOD
 
 from . import cuda_scrub, mig
 from .base import (
-    CRITICAL_XIDS,
     GpuDevice,
     GpuError,
     GpuProcess,
@@ -35,12 +32,11 @@ from .base import (
     ScrubResult,
 )
 from .driver_params import PARAMS_PATH, scrub_on_free_disabled
+from .xid import EccBaseline, XidWatcher
 
 log = logging.getLogger(__name__)
 
 SCRUB_SCRIPT = Path(cuda_scrub.__file__)
-# XID events kept for health(); a node sees a handful a day, this is weeks of them.
-XID_HISTORY = 4096
 # What scrub() reads from cuda_scrub.py's report.
 _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
@@ -93,11 +89,14 @@ class NvmlBackend:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
             raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
-        self._xids: _XidWatcher | None = None
+        self._xids: XidWatcher | None = None
+        self._ecc = EccBaseline()
+        gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
+        self._gpus = gpus
+        self._sample_ecc()
         if watch_xids:
-            gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
             try:
-                self._xids = _XidWatcher(self._nvml, gpus)
+                self._xids = XidWatcher(self._nvml, gpus, on_poll=self._sample_ecc)
             except self._nvml.NVMLError as exc:
                 self._nvml.nvmlShutdown()
                 raise GpuError(
@@ -225,16 +224,38 @@ class NvmlBackend:
                 found.setdefault((info.pid, kind), GpuProcess(int(info.pid), kind, info.usedGpuMemory))
         return list(found.values())
 
+    def _ecc_count(self, gpu: Any) -> int:
+        """Volatile uncorrectable ECC errors of a physical GPU; 0 where it has no ECC (or it is off)."""
+        nvml = self._nvml
+        try:
+            return int(
+                nvml.nvmlDeviceGetTotalEccErrors(gpu, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+            )
+        except nvml.NVMLError as exc:
+            if self._is(exc, "NOT_SUPPORTED"):
+                return 0
+            raise
+
+    def _sample_ecc(self) -> None:
+        """The ECC baseline: each GPU's count every few seconds (from the XID watch's thread, and at open)."""
+        now = time.time()
+        for uuid, gpu in self._gpus.items():
+            if self._ecc.due(uuid, now):
+                try:
+                    self._ecc.record(uuid, now, self._ecc_count(gpu))
+                except self._nvml.NVMLError as exc:
+                    log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
+
     def health(self, uuid: str, since: float) -> HealthSnapshot:
         entry = self._resolve(uuid)
         nvml = self._nvml
         gpu = entry.parent
+        gpu_uuid = entry.parent_uuid or entry.uuid
         try:
-            ecc = nvml.nvmlDeviceGetTotalEccErrors(gpu, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+            ecc = self._ecc_count(gpu)
         except nvml.NVMLError as exc:
-            if not self._is(exc, "NOT_SUPPORTED"):  # ECC off, or a GPU without it
-                raise GpuError(f"NVML cannot read ECC errors of {uuid}: {exc}", uuid) from exc
-            ecc = 0
+            raise GpuError(f"NVML cannot read ECC errors of {uuid}: {exc}", uuid) from exc
+        ecc = max(ecc - self._ecc.at(gpu_uuid, since), 0)
         try:
             _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(gpu)
         except nvml.NVMLError as exc:
@@ -243,8 +264,13 @@ class NvmlBackend:
             pending = failed = 0
         xids: tuple[int, ...] = ()
         if self._xids is not None:
-            parent_uuid = entry.parent_uuid or entry.uuid
-            xids = self._xids.since(parent_uuid, since)
+            gpu_instance = None
+            if entry.parent_uuid is not None:  # a MIG device: its own XIDs and the whole GPU's
+                try:
+                    gpu_instance = int(nvml.nvmlDeviceGetGpuInstanceId(entry.handle))
+                except nvml.NVMLError as exc:
+                    log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
+            xids = self._xids.since(gpu_uuid, since, gpu_instance)
         return HealthSnapshot(
             ecc_uncorrectable_volatile=int(ecc),
             remapped_rows_pending=bool(pending),
@@ -433,70 +459,3 @@ def _last_json_line(stdout: str) -> dict[str, Any] | None:
             continue
         return value if isinstance(value, dict) else None
     return None
-
-
-class _XidWatcher:
-    """Collects XID events from NVML in a thread, so health() can answer "which XIDs since t".
-
-    NVML keeps no history: XIDs that happened before the backend opened are not seen (the ECC and
-    row-remapping counters, which do persist, cover the memory faults among them).
-    """
-
-    def __init__(self, nvml: Any, gpus: Mapping[str, Any], poll_ms: int = 500) -> None:
-        self._nvml = nvml
-        self._poll_ms = poll_ms
-        self._events: collections.deque[tuple[float, str, int]] = collections.deque(maxlen=XID_HISTORY)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.error: str | None = None
-        self._set = nvml.nvmlEventSetCreate()
-        for uuid, handle in gpus.items():
-            try:
-                supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if supported & nvml.nvmlEventTypeXidCriticalError:
-                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
-                else:
-                    log.warning("GPU %s does not report XID events; health checks see ECC and rows only", uuid)
-            except nvml.NVMLError as exc:
-                log.warning("cannot watch XID events of GPU %s: %s; health checks see ECC and rows only", uuid, exc)
-        self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        nvml = self._nvml
-        while not self._stop.is_set():
-            try:
-                data = nvml.nvmlEventSetWait_v2(self._set, self._poll_ms)
-            except nvml.NVMLError as exc:
-                if getattr(exc, "value", None) == nvml.NVML_ERROR_TIMEOUT:
-                    continue
-                self.error = str(exc)
-                log.error("XID event watch stopped: %s; health checks now fail until the agent restarts", exc)
-                return
-            if not data.eventType & nvml.nvmlEventTypeXidCriticalError:
-                continue
-            try:
-                uuid = nvml.nvmlDeviceGetUUID(data.device)
-            except nvml.NVMLError as exc:
-                uuid = "?"
-                log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
-            log.warning("XID %d on GPU %s", data.eventData, uuid)
-            with self._lock:
-                self._events.append((time.time(), uuid, int(data.eventData)))
-
-    def since(self, uuid: str, since: float) -> tuple[int, ...]:
-        if self.error is not None:
-            raise GpuError(f"XID events of {uuid} unknown: the NVML event watch stopped ({self.error})", uuid)
-        with self._lock:
-            # An event NVML could not attribute ("?") counts against every GPU: fail closed.
-            return tuple(
-                xid for at, who, xid in self._events if at >= since and who in (uuid, "?") and xid in CRITICAL_XIDS
-            )
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._poll_ms / 1000 * 4)
-        try:
-            self._nvml.nvmlEventSetFree(self._set)
-        except self._nvml.NVMLError as exc:
-            log.warning("freeing the NVML event set failed: %s", exc)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .base import (
-    CRITICAL_XIDS,
     GpuDevice,
     GpuError,
     GpuProcess,
@@ -34,6 +33,7 @@ from .base import (
     MigPlacement,
     ProcessKind,
     ScrubResult,
+    critical_xid,
 )
 
 METHOD = "simulated-memset-verify"
@@ -388,7 +388,7 @@ class SimulatedGpu:
         self._known(uuid)
         faults = self._faults(uuid)
         self._check_nvml(uuid, faults)
-        xids = tuple(int(x) for at, x in faults.get("xid", []) if at >= since and int(x) in CRITICAL_XIDS)
+        xids = tuple(int(x) for at, x in faults.get("xid", []) if at >= since and critical_xid(int(x)))
         return HealthSnapshot(
             ecc_uncorrectable_volatile=int(faults.get("ecc_error", 0)),
             remapped_rows_pending=bool(faults.get("remap_pending", False)),

@@ -555,8 +555,9 @@ def nvmlGpuInstanceDestroy(gpuInstance: c_nvmlGpuInstance_t) -> None:
 # ---------------------------------------------------------------- test controls (not pynvml's)
 
 
-def fake_emit_xid(uuid: str, xid: int) -> None:
-    """Deliver an XID event for a GPU to every event set registered for XIDs on it."""
+def fake_emit_xid(uuid: str, xid: int, gpu_instance: int = 0xFFFFFFFF) -> None:
+    """Deliver an XID event for a GPU (or, with ``gpu_instance``, one of its MIG devices) to every event
+    set registered for XIDs on it."""
     for event_set in list(_event_sets):
         if event_set.registered.get(uuid, 0) & nvmlEventTypeXidCriticalError:
             event_set.queue.put(
@@ -564,8 +565,8 @@ def fake_emit_xid(uuid: str, xid: int) -> None:
                     device=c_nvmlDevice_t(uuid, None),
                     eventType=nvmlEventTypeXidCriticalError,
                     eventData=xid,
-                    gpuInstanceId=0xFFFFFFFF,
-                    computeInstanceId=0xFFFFFFFF,
+                    gpuInstanceId=gpu_instance,
+                    computeInstanceId=0 if gpu_instance != 0xFFFFFFFF else 0xFFFFFFFF,
                 )
             )
 

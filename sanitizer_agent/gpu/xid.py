@@ -1,0 +1,161 @@
+"""XID events from NVML, kept so that health() can answer "which critical XIDs hit this device since t".
+
+As NVIDIA's DRA driver does: every XID counts except the application ones (a tenant's own faults), a
+failed wait is retried (only "GPU is lost" ends the watch: health checks then fail until a restart), and
+an XID NVML reports with a GPU instance ID belongs to that MIG device (and to the GPU it is carved from),
+not to its siblings. NVML keeps no history: XIDs before the watch started are not seen; the ECC and
+row-remapping counters, which persist, cover the memory faults among them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .base import GpuError, critical_xid
+
+log = logging.getLogger(__name__)
+
+# XID events kept; a node sees a handful a day, this is weeks of them.
+HISTORY = 4096
+# nvmlEventData_t.gpuInstanceId for an event of the whole GPU.
+WHOLE_GPU = 0xFFFFFFFF
+UNKNOWN_GPU = "?"
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    at: float
+    gpu_uuid: str  # UNKNOWN_GPU when NVML could not name the GPU: it then counts against every GPU
+    gpu_instance: int  # WHOLE_GPU, or the MIG device's GPU instance ID
+    xid: int
+
+
+class XidWatcher:
+    """Collects XID events from NVML in a thread; `on_poll` runs after every wait (the ECC sampler)."""
+
+    def __init__(
+        self,
+        nvml: Any,
+        gpus: Mapping[str, Any],
+        poll_ms: int = 500,
+        retry_s: float = 1.0,
+        on_poll: Callable[[], None] | None = None,
+    ) -> None:
+        self._nvml = nvml
+        self._poll_ms = poll_ms
+        self._retry_s = retry_s
+        self._on_poll = on_poll
+        self._events: collections.deque[XidEvent] = collections.deque(maxlen=HISTORY)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: str | None = None  # set when the GPU is lost: the watch is over
+        self.wait_errors = 0  # failed waits retried so far
+        self._set = nvml.nvmlEventSetCreate()
+        for uuid, handle in gpus.items():
+            try:
+                supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
+                if supported & nvml.nvmlEventTypeXidCriticalError:
+                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
+                else:
+                    log.warning("GPU %s does not report XID events; health checks see ECC and rows only", uuid)
+            except nvml.NVMLError as exc:
+                log.warning("cannot watch XID events of GPU %s: %s; health checks see ECC and rows only", uuid, exc)
+        self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        while not self._stop.is_set():
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._set, self._poll_ms)
+            except nvml.NVMLError as exc:
+                code = getattr(exc, "value", None)
+                if code == nvml.NVML_ERROR_TIMEOUT:
+                    self._poll()
+                    continue
+                if code == nvml.NVML_ERROR_GPU_IS_LOST:
+                    self.error = str(exc)
+                    log.error("XID event watch stopped: %s; health checks now fail until the agent restarts", exc)
+                    return
+                self.wait_errors += 1
+                log.warning("waiting for XID events failed (%s); retrying in %.1fs", exc, self._retry_s)
+                self._stop.wait(self._retry_s)
+                continue
+            self._poll()
+            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
+                self._record(data)
+
+    def _poll(self) -> None:
+        if self._on_poll is not None:
+            self._on_poll()
+
+    def _record(self, data: Any) -> None:
+        try:
+            uuid = self._nvml.nvmlDeviceGetUUID(data.device)
+        except self._nvml.NVMLError as exc:
+            uuid = UNKNOWN_GPU
+            log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
+        gpu_instance = int(getattr(data, "gpuInstanceId", WHOLE_GPU))
+        where = "" if gpu_instance == WHOLE_GPU else f" (GPU instance {gpu_instance})"
+        log.warning("XID %d on GPU %s%s", data.eventData, uuid, where)
+        with self._lock:
+            self._events.append(XidEvent(time.time(), uuid, gpu_instance, int(data.eventData)))
+
+    def since(self, gpu_uuid: str, since: float, gpu_instance: int | None = None) -> tuple[int, ...]:
+        """Critical XIDs since `since` on the GPU; with `gpu_instance`, on that MIG device (and the whole
+        GPU's) only. An event NVML could not attribute counts against every GPU: fail closed."""
+        if self.error is not None:
+            raise GpuError(f"XID events of {gpu_uuid} unknown: the NVML event watch stopped ({self.error})", gpu_uuid)
+        with self._lock:
+            return tuple(
+                e.xid
+                for e in self._events
+                if e.at >= since
+                and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU)
+                and (gpu_instance is None or e.gpu_instance in (gpu_instance, WHOLE_GPU))
+                and critical_xid(e.xid)
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._poll_ms / 1000 * 4 + self._retry_s)
+        try:
+            self._nvml.nvmlEventSetFree(self._set)
+        except self._nvml.NVMLError as exc:
+            log.warning("freeing the NVML event set failed: %s", exc)
+
+
+class EccBaseline:
+    """Samples of each GPU's volatile uncorrectable ECC count, so that health counts only the errors since
+    a device was allocated: one old error must not fence a GPU forever. Where no sample is older than the
+    allocation (the agent started after it), the baseline is 0: every error since driver load counts."""
+
+    def __init__(self, sample_every_s: float = 10.0) -> None:
+        self.sample_every_s = sample_every_s
+        self._samples: dict[str, list[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+
+    def due(self, gpu_uuid: str, now: float) -> bool:
+        with self._lock:
+            samples = self._samples.get(gpu_uuid)
+            return not samples or now - samples[-1][0] >= self.sample_every_s
+
+    def record(self, gpu_uuid: str, at: float, count: int) -> None:
+        with self._lock:
+            samples = self._samples.setdefault(gpu_uuid, [])
+            # A counter that went down (driver reload) starts a new history.
+            if samples and count < samples[-1][1]:
+                samples.clear()
+            samples.append((at, count))
+            del samples[:-HISTORY]
+
+    def at(self, gpu_uuid: str, since: float) -> int:
+        with self._lock:
+            older = [count for at, count in self._samples.get(gpu_uuid, []) if at <= since]
+        return older[-1] if older else 0
