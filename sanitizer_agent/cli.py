@@ -26,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default: $NODE_NAME)")
     parser.add_argument("--gpu-backend", choices=("nvml", "simulated"), default="nvml")
     parser.add_argument("--simulated-root", help="state directory of the simulated GPU backend")
+    parser.add_argument(
+        "--max-unreachable",
+        type=float,
+        default=0.02,
+        help="nvml: share of a device's usable memory the scrub may leave unreached (its own CUDA context) and "
+        "still verify (default 0.02)",
+    )
     parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="the agent's checkpoint file (hostPath)")
     parser.add_argument("--signing-key", default=DEFAULT_SIGNING_KEY, help="Ed25519 private key (PEM) for attestations")
     parser.add_argument("--key-id", default=DEFAULT_KEY_ID, help="key id in the attestation header (the policy's kid)")
@@ -167,7 +174,11 @@ def _run_agent(args: argparse.Namespace) -> int:
         _fail(str(exc))
         return 2
     try:
-        options = {"root": args.simulated_root} if args.gpu_backend == "simulated" else {}
+        options: dict[str, object] = (
+            {"root": args.simulated_root}
+            if args.gpu_backend == "simulated"
+            else {"max_unreachable_fraction": args.max_unreachable}
+        )
         backend = open_backend(args.gpu_backend, **options)
         cluster = KubernetesClusterClient.from_config(args.kubeconfig)
     except Exception as exc:  # GpuError, OSError, and the kubernetes config loaders' own types

@@ -487,6 +487,9 @@ class TeardownEngine:
                     "uuid": d.uuid,
                     "bytesScrubbed": d.scrub.bytes_scrubbed if d.scrub else 0,
                     "bytesTotal": d.scrub.bytes_total if d.scrub else 0,
+                    # Coverage, stated: what the driver reserves, and what the scrub could not reach.
+                    "bytesReserved": d.scrub.bytes_reserved if d.scrub else 0,
+                    "bytesUnreachable": d.scrub.bytes_unreachable if d.scrub else 0,
                     "method": d.scrub.method if d.scrub else "",
                     "verified": bool(d.scrub and d.scrub.verified),
                 }

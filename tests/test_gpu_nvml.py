@@ -17,6 +17,7 @@ from scrubgate.sanitizer_agent.gpu.nvml import NvmlBackend
 FAKES = Path(__file__).parent / "fakes"
 CANARY = b"TENANT-A-SECRET!"
 MiB = 1 << 20
+MARGIN = 4 * MiB
 
 
 @pytest.fixture
@@ -42,9 +43,13 @@ def open_nvml(node: Any) -> Any:
 
     def make(**options: Any) -> NvmlBackend:
         # Without the XID watch unless a test needs it: closing it waits out a poll of the event set.
+        # The fake's CUDA context (1 MiB) and kernels are a larger share of its small devices than a real
+        # context is of a GPU's memory: the coverage bound here is 10%, the default (2%) has its own test.
         options = {
             "chunk_bytes": 8 * MiB,
             "min_chunk_bytes": 64 << 10,
+            "margin_bytes": MARGIN,
+            "max_unreachable_fraction": 0.1,
             "child_env": node.env,
             "watch_xids": False,
             **options,
@@ -319,6 +324,50 @@ def test_a_cuda_error_fails_closed_with_its_name(node, open_nvml):
     result = open_nvml().scrub(gpu["uuid"])
     assert not result.verified
     assert "cuMemsetD8" in result.reason and "CUDA_ERROR_ECC_UNCORRECTABLE" in result.reason
+
+
+def test_kernels_and_memset_are_warmed_up_before_the_fill(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.data["cuda"] = {"lazyBytes": MiB}  # the first launch takes device memory (lazy loading)
+    node.save()
+    result = open_nvml(margin_bytes=0).scrub(gpu["uuid"])
+    assert result.verified, result.reason
+
+
+def test_the_margin_left_free_is_scrubbed_in_a_second_pass(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml(margin_bytes=8 * MiB).scrub(gpu["uuid"])
+    assert result.verified, result.reason
+    left = canary_bytes(node, gpu["uuid"])
+    assert left <= result.bytes_unreachable < 8 * MiB, "the margin did not stay dirty"
+    overhead = gpu["contextBytes"] + (256 << 10) + 512  # context, kernels, the counter
+    assert result.bytes_unreachable - overhead < 64 << 10, "reached all but the allocator's granularity"
+
+
+def test_the_default_coverage_bound_is_two_percent(node, open_nvml):
+    gpu = node.add_gpu(memory=128 * MiB, contextBytes=256 << 10)
+    # Unreached: what another party holds, plus the scrub's own context (256 KiB) and kernels (256 KiB).
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB // 2}}  # 2 MiB of 128: 1.6%, within
+    node.save()
+    backend = open_nvml(max_unreachable_fraction=NvmlBackend.__init__.__kwdefaults__["max_unreachable_fraction"])
+    assert backend.max_unreachable_fraction == 0.02
+    assert backend.scrub(gpu["uuid"]).verified
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB}}  # 3.5 MiB: 2.7%, beyond
+    node.save()
+    result = backend.scrub(gpu["uuid"])
+    assert not result.verified and "more than the 2.0% allowed" in result.reason
+
+
+def test_unreached_memory_with_scrub_on_free_off_fails_closed(node, open_nvml, tmp_path):
+    gpu = node.add_gpu(memory=32 * MiB)
+    params = tmp_path / "params"
+    params.write_text('RegistryDwords: "RMDisableScrubOnFree=1"\n')
+    result = open_nvml(params_path=params).scrub(gpu["uuid"])
+    assert not result.verified and "RMDisableScrubOnFree" in result.reason
+    assert result.bytes_unreachable > 0 and result.bytes_scrubbed > 0
+    params.write_text('RegistryDwords: "RMDisableScrubOnFree=0"\n')
+    assert open_nvml(params_path=params).scrub(gpu["uuid"]).verified
 
 
 def test_memory_another_party_holds_leaves_the_scrub_unverified(node, open_nvml):

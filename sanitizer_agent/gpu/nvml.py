@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 SCRUB_SCRIPT = Path(cuda_scrub.__file__)
 # What scrub() reads from cuda_scrub.py's report.
 _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
+# The scrub's own CUDA context and the allocator's granularity stay out of reach: about 0.3-0.5 GiB of a
+# 141 GB GPU; more than this share of the usable memory unreached fails the scrub.
+DEFAULT_MAX_UNREACHABLE = 0.02
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
@@ -64,7 +67,8 @@ class NvmlBackend:
         scrub_timeout_s: float = 600.0,
         chunk_bytes: int = cuda_scrub.DEFAULT_CHUNK_BYTES,
         min_chunk_bytes: int = cuda_scrub.DEFAULT_MIN_CHUNK_BYTES,
-        max_unreachable_fraction: float = 0.1,
+        margin_bytes: int = cuda_scrub.DEFAULT_MARGIN_BYTES,
+        max_unreachable_fraction: float = DEFAULT_MAX_UNREACHABLE,
         watch_xids: bool = True,
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
@@ -78,8 +82,9 @@ class NvmlBackend:
         self.scrub_timeout_s = scrub_timeout_s
         self.chunk_bytes = chunk_bytes
         self.min_chunk_bytes = min_chunk_bytes
-        # Memory the scrub could not allocate (its own CUDA context, fragmentation, the driver's own)
-        # beyond this share of the usable memory means the scrub cannot vouch for the device.
+        self.margin_bytes = margin_bytes
+        # Memory the scrub could not allocate (its own CUDA context, allocator granularity, the driver's
+        # own) beyond this share of the usable memory means the scrub cannot vouch for the device.
         self.max_unreachable_fraction = max_unreachable_fraction
         self.python = python
         self.child_env = dict(child_env or {})
@@ -355,7 +360,15 @@ class NvmlBackend:
         if scrubbed <= 0 or unreachable > self.max_unreachable_fraction * usable:
             reason = (
                 f"scrub of {uuid} reached only {scrubbed} of {usable} usable bytes; {unreachable} could not "
-                "be allocated (held by another process or the driver), so they are unverified"
+                f"be allocated (held by another process or the driver), more than the "
+                f"{self.max_unreachable_fraction:.1%} allowed, so they are unverified"
+            )
+            return result(False, reason, total, reserved, scrubbed, kernel_s)
+        if unreachable and self.scrub_on_free_disabled():
+            reason = (
+                f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the "
+                "driver's), and the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them "
+                "before they are handed out again; remove RMDisableScrubOnFree from NVreg_RegistryDwords"
             )
             return result(False, reason, total, reserved, scrubbed, kernel_s)
         return result(True, None, total, reserved, scrubbed, kernel_s)
@@ -402,6 +415,7 @@ class NvmlBackend:
             str(SCRUB_SCRIPT),
             f"--chunk-bytes={self.chunk_bytes}",
             f"--min-chunk-bytes={self.min_chunk_bytes}",
+            f"--margin-bytes={self.margin_bytes}",
         ]
         try:
             done = subprocess.run(

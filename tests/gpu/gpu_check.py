@@ -88,10 +88,12 @@ def role_tenant(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def role_probe(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = cuda.open()
-    probed = ctx.allocate_all(args.chunk_bytes, args.min_chunk_bytes)
+    # Warmed up read-only on a buffer it keeps: the probe must not zero what it looks for.
+    ctx = cuda.open(warm_up=False)
+    ctx.warm_up(zero=False, keep=True)
+    ctx.allocate_all(args.chunk_bytes, args.min_chunk_bytes)
     return {
-        "bytesProbed": probed,
+        "bytesProbed": sum(size for _, size in ctx.chunks),
         "canaryWords": ctx.count_equal_u32(CANARY),
         "nonzeroWords": ctx.count_nonzero_words(),
     }

@@ -13,7 +13,9 @@ the semantics documented beside their PTX in sanitizer_agent/gpu/cuda_scrub.py.
 
 Faults, from node.json's ``cuda`` object: ``fail: {call: "CUDA_ERROR_..."}``, ``memsetNoop`` (true,
 or a list of memset calls: they return success but write nothing), ``hang: call`` (the call never returns), ``heldBytes: {uuid: n}``
-(memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may).
+(memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may),
+``lazyBytes`` (device memory the first kernel launch takes, as lazy loading does: out of memory when
+the device is already full).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class _State:
     modules: dict[int, dict[str, list[int]]] = field(default_factory=dict)  # id -> entry -> param sizes
     functions: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     next_handle: int = 1
+    launched: bool = False
 
 
 _state = _State()
@@ -455,6 +458,11 @@ def cuLaunchKernel(
         and len(kernelParams[0]) == len(kernelParams[1])
     ):
         raise TypeError("fake cuLaunchKernel takes kernelParams as ((values...), (ctypes types...))")
+    if not _state.launched and _config().get("lazyBytes"):
+        if _allocate(int(_config()["lazyBytes"])) is None:
+            return (CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        _publish_usage()
+    _state.launched = True
     name, param_sizes = function
     values, types = kernelParams
     if [_CTYPE_SIZES.get(t) for t in types] != param_sizes:
