@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from scrubgate.policies.names import ATTESTATION_METHOD
 from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, MigPlacement, open_backend
+from scrubgate.sanitizer_agent.gpu.cuda_scrub import NO_KERNELS
 from scrubgate.sanitizer_agent.gpu.nvml import NvmlBackend
 
 FAKES = Path(__file__).parent / "fakes"
@@ -368,6 +369,37 @@ def test_unreached_memory_with_scrub_on_free_off_fails_closed(node, open_nvml, t
     assert result.bytes_unreachable > 0 and result.bytes_scrubbed > 0
     params.write_text('RegistryDwords: "RMDisableScrubOnFree=0"\n')
     assert open_nvml(params_path=params).scrub(gpu["uuid"]).verified
+
+
+# ---------------------------------------------------------------- kernels: cubin, else PTX, else none
+
+
+@pytest.mark.parametrize(
+    ("cuda", "kernels"),
+    [
+        ({"noJit": True}, "cubin sm_90"),  # an H200 without the JIT: the cubin needs none
+        ({"computeCapability": [6, 1]}, "ptx"),
+        ({"computeCapability": [6, 1], "noJit": True}, NO_KERNELS),
+    ],
+)
+def test_the_scrub_verifies_with_whatever_kernels_load(node, open_nvml, cuda, kernels):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    node.data["cuda"] = cuda
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert result.verified, result.reason
+    assert result.kernels == kernels
+    assert canary_bytes(node, gpu["uuid"]) <= result.bytes_unreachable
+
+
+def test_the_kernel_free_path_still_catches_memory_that_does_not_take_zeros(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    node.data["cuda"] = {"computeCapability": [6, 1], "noJit": True, "memsetNoop": ["cuMemsetD8"]}
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "non-zero" in result.reason
 
 
 def test_memory_another_party_holds_leaves_the_scrub_unverified(node, open_nvml):

@@ -133,6 +133,8 @@ class ScrubResult:
     # Seconds the device spent zeroing and verifying, without process start, CUDA init or allocation:
     # the figure to compare with the card's copy bandwidth. None where the backend does not measure it.
     kernel_s: float | None = None
+    # What verified: "cubin sm_90", "ptx" (the driver's JIT), or memset and read back without kernels.
+    kernels: str | None = None
 
     @property
     def gbps(self) -> float:

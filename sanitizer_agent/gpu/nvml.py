@@ -309,6 +309,7 @@ class NvmlBackend:
             reserved: int = 0,
             scrubbed: int = 0,
             kernel_s: float | None = None,
+            kernels: str | None = None,
         ) -> ScrubResult:
             return ScrubResult(
                 uuid=uuid,
@@ -321,6 +322,7 @@ class NvmlBackend:
                 method=self.method,
                 reason=reason,
                 kernel_s=kernel_s,
+                kernels=kernels,
             )
 
         if entry is None:
@@ -348,6 +350,9 @@ class NvmlBackend:
             return result(False, failure, total, reserved)
         scrubbed = int(report["bytesScrubbed"])
         kernel_s = float(report["scrubS"])
+        kernels = str(report.get("kernels"))
+        if report.get("kernelErrors"):
+            log.warning("scrub of %s verified with %s: %s", uuid, kernels, "; ".join(report["kernelErrors"]))
         nonzero = int(report["nonzeroWords"])
         usable = total - reserved
         if nonzero:
@@ -355,7 +360,7 @@ class NvmlBackend:
                 f"verification found {nonzero} non-zero {report['wordBytes']}-byte words on {uuid} "
                 "after zeroing: memory does not hold writes, or something wrote to it during the scrub"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s)
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         unreachable = max(usable - scrubbed, 0)
         if scrubbed <= 0 or unreachable > self.max_unreachable_fraction * usable:
             reason = (
@@ -363,15 +368,15 @@ class NvmlBackend:
                 f"be allocated (held by another process or the driver), more than the "
                 f"{self.max_unreachable_fraction:.1%} allowed, so they are unverified"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s)
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         if unreachable and self.scrub_on_free_disabled():
             reason = (
                 f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the "
                 "driver's), and the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them "
                 "before they are handed out again; remove RMDisableScrubOnFree from NVreg_RegistryDwords"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s)
-        return result(True, None, total, reserved, scrubbed, kernel_s)
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
+        return result(True, None, total, reserved, scrubbed, kernel_s, kernels)
 
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
         gpu = self._resolve(placement.parent_uuid)
