@@ -12,6 +12,7 @@ from scrubgate.policies.attestation import verify
 from scrubgate.sanitizer_agent import claims
 from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import MigPlacement, simulated
+from scrubgate.sanitizer_agent.memcluster import InMemoryCluster
 
 COUNTERS = "gpu-0-counter-set"
 FULL, ONE_G_AT_0, TWO_G_AT_0, ONE_G_AT_1, ONE_G_AT_4 = (
@@ -24,34 +25,27 @@ FULL, ONE_G_AT_0, TWO_G_AT_0, ONE_G_AT_1, ONE_G_AT_4 = (
 
 
 def nvidia_slice(gpu_uuid: str) -> dict:
-    """A ResourceSlice as k8s-dra-driver-gpu publishes one GPU with dynamic MIG (v1 shape)."""
-
-    def consumes(slices: range) -> list[dict]:
-        counters = {f"memory-slice-{i}": {"value": "1"} for i in slices}
-        return [{"counterSet": COUNTERS, "counters": {"multiprocessors": {"value": "16"}, **counters}}]
-
-    def mig(name: str, slices: range) -> dict:
-        attributes = {"type": {"string": "mig"}, "parentUUID": {"string": gpu_uuid}, "profile": {"string": "1g.10gb"}}
-        return {"name": name, "attributes": attributes, "consumesCounters": consumes(slices)}
-
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{NODE}-gpu"},
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": NODE,
-            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-            "sharedCounters": [{"name": COUNTERS, "counters": {f"memory-slice-{i}": {"value": "1"} for i in range(8)}}],
-            "devices": [
-                {"name": FULL, "attributes": {"uuid": {"string": gpu_uuid}}, "consumesCounters": consumes(range(8))},
-                mig(ONE_G_AT_0, range(0, 1)),
-                mig(TWO_G_AT_0, range(0, 2)),
-                mig(ONE_G_AT_1, range(1, 2)),
-                mig(ONE_G_AT_4, range(4, 5)),
-            ],
-        },
+    """A ResourceSlice as k8s-dra-driver-gpu publishes one GPU with dynamic MIG (v1 shape): the devices'
+    attributes, then the counters they consume from the GPU's shared counter set."""
+    mig = {"type": "mig", "parentUUID": gpu_uuid, "profile": "1g.10gb"}
+    consumed = {
+        FULL: range(8),
+        ONE_G_AT_0: range(0, 1),
+        TWO_G_AT_0: range(0, 2),
+        ONE_G_AT_1: range(1, 2),
+        ONE_G_AT_4: range(4, 5),
     }
+    cluster = InMemoryCluster()
+    cluster.add_slice(NODE, DRIVER, NODE, {n: {"uuid": gpu_uuid} if n == FULL else mig for n in consumed})
+    (published,) = cluster.slices
+    spec = published["spec"]
+    spec["sharedCounters"] = [{"name": COUNTERS, "counters": {f"memory-slice-{i}": {"value": "1"} for i in range(8)}}]
+    for device in spec["devices"]:
+        counters = {f"memory-slice-{i}": {"value": "1"} for i in consumed[device["name"]]}
+        device["consumesCounters"] = [
+            {"counterSet": COUNTERS, "counters": {"multiprocessors": {"value": "16"}, **counters}}
+        ]
+    return published
 
 
 def key(name: str) -> tuple[str, str, str]:
@@ -77,6 +71,15 @@ def partitioned_node(tmp_path, dirty_slices: range = range(0, 0)):
     return node, gpu, step
 
 
+def running_claim(node, device: str):
+    """An agent that saw a claim on `device` allocated and its pod running: (agent, claim, pod)."""
+    agent = node.agent()
+    agent.start()
+    claim = node.cluster.add_claim("team-a", "train", [key(device)])
+    pod = node.cluster.add_pod("team-a", "train-pod", NODE, ["train"])
+    return agent, claim, pod
+
+
 def test_partitionable_devices_overlap_through_shared_memory_slices():
     found = claims.slice_devices([nvidia_slice("GPU-A")])
     assert found[key(ONE_G_AT_0)].placement == MigPlacement("GPU-A", 19, 0, 1)
@@ -99,10 +102,7 @@ def test_a_device_off_the_drivers_naming_or_layout_gets_no_placement():
 
 def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_with_its_overlaps_fenced(tmp_path):
     node, gpu, slice_bytes = partitioned_node(tmp_path, dirty_slices=range(0, 1))
-    agent = node.agent()
-    agent.start()
-    claim = node.cluster.add_claim("team-a", "train", [key(ONE_G_AT_0)])
-    pod = node.cluster.add_pod("team-a", "train-pod", NODE, ["train"])
+    agent, claim, pod = running_claim(node, ONE_G_AT_0)
     # The tenant wrote into memory slice 0 (the first eighth of the simulated GPU); slice 4 holds another's.
     simulated.write(node.root, gpu, 0, CANARY * (slice_bytes // len(CANARY)))
     simulated.write(node.root, gpu, 4 * slice_bytes, CANARY)
@@ -125,10 +125,7 @@ def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_with_its_
 
 def test_a_failed_placement_scrub_keeps_every_overlapping_device_fenced(tmp_path):
     node, gpu, _ = partitioned_node(tmp_path)
-    agent = node.agent()
-    agent.start()
-    claim = node.cluster.add_claim("team-a", "train", [key(TWO_G_AT_0)])
-    pod = node.cluster.add_pod("team-a", "train-pod", NODE, ["train"])
+    agent, claim, pod = running_claim(node, TWO_G_AT_0)
     agent.observe_pod("ADDED", pod)
     simulated.inject_fault(node.root, gpu, "scrub_error", "GPU instance creation refused")
     agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
@@ -143,10 +140,7 @@ def test_a_failed_placement_scrub_keeps_every_overlapping_device_fenced(tmp_path
 
 def test_the_attestation_of_a_placement_scrub_verifies(tmp_path):
     node, _, _ = partitioned_node(tmp_path)
-    agent = node.agent()
-    agent.start()
-    claim = node.cluster.add_claim("team-a", "train", [key(ONE_G_AT_4)])
-    pod = node.cluster.add_pod("team-a", "train-pod", NODE, ["train"])
+    agent, claim, pod = running_claim(node, ONE_G_AT_4)
     agent.observe_pod("ADDED", pod)
     attested: list[str] = []
     agent.engine.on_transition = lambda td, state: (
