@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint import DeviceRecord
-from .gpu.base import GpuBackend, GpuProcess, MigPlacement, ScrubResult
+from .gpu.base import GpuBackend, GpuProcess, HealthSnapshot, MigPlacement, ScrubResult
 
 _MEMORY_SLICE = re.compile(r"^memory-slice-(\d+)$")
 _DYNAMIC_MIG = re.compile(r"^gpu-\d+-mig-.+-(\d+)-(\d+)$")
@@ -85,6 +85,9 @@ def scrub_device(backend: GpuBackend, device: DeviceRecord) -> ScrubResult:
     return backend.scrub(device.uuid or "")
 
 
-def health_uuid(device: DeviceRecord) -> str:
-    """The device whose health covers it: ECC, rows and XIDs are the physical GPU's anyway."""
-    return device.uuid or (device.placement.parent_uuid if device.placement else "")
+def device_health(backend: GpuBackend, device: DeviceRecord, since: float) -> HealthSnapshot:
+    """Health of a claim's device since its allocation: a dynamic MIG device's through its placement (the
+    device itself may be gone); raises GpuError."""
+    if device.placement is not None:
+        return backend.placement_health(device.placement, since)
+    return backend.health(device.uuid or "", since)

@@ -49,7 +49,7 @@ from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend, GpuError, HealthSnapshot
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
 from .metrics import AgentMetrics
-from .partitions import device_processes, health_uuid, scrub_device
+from .partitions import device_health, device_processes, scrub_device
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ class TeardownEngine:
         snapshots = []
         for device in td.devices:
             try:
-                snapshots.append(self.backend.health(health_uuid(device), since=td.allocated_at))
+                snapshots.append(device_health(self.backend, device, td.allocated_at))
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot read the health of {device.key} ({device.uuid}): {exc}")
         problems = [f"{d.uuid}: {p}" for d, s in zip(td.devices, snapshots, strict=True) for p in s.problems()]

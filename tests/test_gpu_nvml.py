@@ -3,7 +3,6 @@ stand-ins of pynvml and cuda.bindings.driver (tests/fakes), so misuse of either 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -194,6 +193,21 @@ def test_mig_xids_belong_to_their_gpu_instance(node, open_nvml):
     assert backend.health(gpu["uuid"], 0).xids == (94,), "the whole GPU's memory includes it"
     fake_nvml().fake_emit_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
     assert wait_for(lambda: backend.health(second["uuid"], 0).xids) == (79,)
+
+
+def test_xids_of_a_deleted_dynamic_mig_device_stay_with_its_placement(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)
+    node.create_mig(gpu, "19", start=5)
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=tenant["gi"])
+    assert wait_for(lambda: backend.health(tenant["uuid"], 0).xids) == (94,)
+    node.delete_mig(tenant["uuid"])  # unprepared: the GPU instance is gone, the event stays with its slices
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 15, 2, 2), 0).xids == (94,)
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 3, 1), 0).xids == (94,), "slice 3 was its"
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids == (), "a neighbour's is not"
+    fake_nvml().fake_emit_xid(gpu["uuid"], 79)
+    assert wait_for(lambda: backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids) == (79,)
 
 
 def test_the_xid_watch_survives_nvml_errors_and_stops_only_when_the_gpu_is_lost(node, open_nvml):
@@ -419,13 +433,16 @@ def test_a_hung_scrub_is_killed(node, open_nvml):
     assert not result.verified and "did not finish within 2s" in result.reason
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cuda") is not None, reason="real CUDA bindings installed")
 def test_a_node_without_cuda_bindings_fails_closed(node, open_nvml, tmp_path):
     gpu = node.add_gpu()
     empty = tmp_path / "empty"
     empty.mkdir()
-    # fakegpu stays importable for the fake pynvml in this process, but the child finds no cuda.
-    result = open_nvml(child_env={**node.env, "PYTHONPATH": str(empty)}).scrub(gpu["uuid"])
+    # The child's Python without site-packages (the real bindings of the test extra live there) and
+    # without the fakes: it finds no cuda at all. fakegpu stays importable for the fake pynvml here.
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    result = open_nvml(python=str(bare), child_env={**node.env, "PYTHONPATH": str(empty)}).scrub(gpu["uuid"])
     assert not result.verified and "scrubgate[gpu]" in result.reason
 
 

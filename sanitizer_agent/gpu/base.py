@@ -162,6 +162,11 @@ class GpuBackend(Protocol):
         """
         ...
 
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        """As ``health`` of the placement's GPU, with only the XIDs of GPU instances on its memory slices
+        (and of the whole GPU); raises GpuError."""
+        ...
+
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
         """Processes on any MIG device whose memory overlaps ``placement`` (none once the driver deleted
         the device); raises GpuError."""

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,6 +253,23 @@ class NvmlBackend:
 
     def health(self, uuid: str, since: float) -> HealthSnapshot:
         entry = self._resolve(uuid)
+        gpu_instance = None
+        if entry.parent_uuid is not None:  # a MIG device: its own XIDs and the whole GPU's
+            try:
+                gpu_instance = int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle))
+            except self._nvml.NVMLError as exc:
+                log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
+        return self._health(uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, gpu_instance))
+
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        entry = self._resolve(placement.parent_uuid)
+        return self._health(
+            placement.parent_uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, slices=placement.slices)
+        )
+
+    def _health(
+        self, uuid: str, entry: _Handle, since: float, xids_of: Callable[[XidWatcher, str], tuple[int, ...]]
+    ) -> HealthSnapshot:
         nvml = self._nvml
         gpu = entry.parent
         gpu_uuid = entry.parent_uuid or entry.uuid
@@ -267,21 +284,12 @@ class NvmlBackend:
             if not self._is(exc, "NOT_SUPPORTED"):  # before Ampere there is no row remapping
                 raise GpuError(f"NVML cannot read remapped rows of {uuid}: {exc}", uuid) from exc
             pending = failed = 0
-        xids: tuple[int, ...] = ()
-        if self._xids is not None:
-            gpu_instance = None
-            if entry.parent_uuid is not None:  # a MIG device: its own XIDs and the whole GPU's
-                try:
-                    gpu_instance = int(nvml.nvmlDeviceGetGpuInstanceId(entry.handle))
-                except nvml.NVMLError as exc:
-                    log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
-            xids = self._xids.since(gpu_uuid, since, gpu_instance)
         return HealthSnapshot(
             ecc_uncorrectable_volatile=int(ecc),
             remapped_rows_pending=bool(pending),
             remapped_rows_failed=bool(failed),
             recovery_action=self._recovery_action(gpu),
-            xids=xids,
+            xids=xids_of(self._xids, gpu_uuid) if self._xids is not None else (),
         )
 
     def _recovery_action(self, gpu: Any) -> int | None:

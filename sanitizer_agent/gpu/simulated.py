@@ -449,6 +449,9 @@ class SimulatedGpu:
             method=METHOD,
         )
 
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        return self.health(placement.parent_uuid, since)  # simulated XIDs are per GPU
+
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
         # A simulated dynamic MIG device is gone once unprepared; what runs on the GPU still counts.
         return self.processes(placement.parent_uuid)

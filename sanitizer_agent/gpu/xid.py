@@ -34,6 +34,19 @@ class XidEvent:
     gpu_uuid: str  # UNKNOWN_GPU when NVML could not name the GPU: it then counts against every GPU
     gpu_instance: int  # WHOLE_GPU, or the MIG device's GPU instance ID
     xid: int
+    # The memory slices of that GPU instance when the event came (a dynamic MIG device may be gone by the
+    # time its teardown asks); None for the whole GPU, or when NVML could not say.
+    slices: frozenset[int] | None = None
+
+    def hits(self, gpu_instance: int | None, slices: frozenset[int] | None) -> bool:
+        """Whether the event concerns a MIG device (by GPU instance ID, or by memory slices)."""
+        if self.gpu_instance == WHOLE_GPU:
+            return True
+        if gpu_instance is not None and self.gpu_instance == gpu_instance:
+            return True
+        if slices is not None:
+            return self.slices is None or bool(self.slices & slices)
+        return gpu_instance is None
 
 
 class XidWatcher:
@@ -102,14 +115,27 @@ class XidWatcher:
             uuid = UNKNOWN_GPU
             log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
         gpu_instance = int(getattr(data, "gpuInstanceId", WHOLE_GPU))
-        where = "" if gpu_instance == WHOLE_GPU else f" (GPU instance {gpu_instance})"
+        slices = None if gpu_instance == WHOLE_GPU else self._slices_of(data.device, gpu_instance)
+        where = "" if gpu_instance == WHOLE_GPU else f" (GPU instance {gpu_instance}, memory slices {slices})"
         log.warning("XID %d on GPU %s%s", data.eventData, uuid, where)
         with self._lock:
-            self._events.append(XidEvent(time.time(), uuid, gpu_instance, int(data.eventData)))
+            self._events.append(XidEvent(time.time(), uuid, gpu_instance, int(data.eventData), slices))
 
-    def since(self, gpu_uuid: str, since: float, gpu_instance: int | None = None) -> tuple[int, ...]:
-        """Critical XIDs since `since` on the GPU; with `gpu_instance`, on that MIG device (and the whole
-        GPU's) only. An event NVML could not attribute counts against every GPU: fail closed."""
+    def _slices_of(self, gpu: Any, gpu_instance: int) -> frozenset[int] | None:
+        nvml = self._nvml
+        try:
+            info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(gpu, gpu_instance))
+        except nvml.NVMLError as exc:
+            log.warning("cannot read the memory slices of GPU instance %d: %s", gpu_instance, exc)
+            return None
+        return frozenset(range(int(info.placement.start), int(info.placement.start) + int(info.placement.size)))
+
+    def since(
+        self, gpu_uuid: str, since: float, gpu_instance: int | None = None, slices: frozenset[int] | None = None
+    ) -> tuple[int, ...]:
+        """Critical XIDs since `since` on the GPU; with `gpu_instance` or `slices`, on that MIG device or
+        placement (and the whole GPU's) only. An event NVML could not attribute counts everywhere: fail
+        closed."""
         if self.error is not None:
             raise GpuError(f"XID events of {gpu_uuid} unknown: the NVML event watch stopped ({self.error})", gpu_uuid)
         with self._lock:
@@ -118,7 +144,7 @@ class XidWatcher:
                 for e in self._events
                 if e.at >= since
                 and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU)
-                and (gpu_instance is None or e.gpu_instance in (gpu_instance, WHOLE_GPU))
+                and e.hits(gpu_instance, slices)
                 and critical_xid(e.xid)
             )
 
