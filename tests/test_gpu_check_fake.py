@@ -68,7 +68,7 @@ def test_check_passes_and_shows_the_driver_leaking_without_the_agent(node, tmp_p
     # The fake driver does not scrub on free: the next process finds the whole canary.
     assert steps["no-scrub"]["probe"]["canaryWords"] * 4 == steps["no-scrub"]["tenantBytes"]
     assert steps["bandwidth"]["nonzeroWords"] == 0 and steps["bandwidth"]["scrubToCopy"] > 0
-    assert steps["health"]["problems"] == []
+    assert steps["health"]["problems"] == [] and steps["health"]["xidWatch"] == "on"
     assert "skipped" in steps["mig"], "not in MIG mode: nothing to do, and nothing changed"
     assert "canary after agent scrub" in done.stdout and "PASS" in done.stdout
 
@@ -101,6 +101,15 @@ def test_a_hung_step_is_cut_at_its_limit_and_the_rest_still_reported(node, tmp_p
     assert not steps["bandwidth"]["ok"] and "timed out" in steps["bandwidth"]["error"]
     assert steps["bandwidth"]["seconds"] < 20
     assert steps["scrub"]["ok"] and steps["health"]["ok"], "the steps before and after still ran"
+
+
+def test_a_gpu_without_nvml_events_is_checked_without_the_xid_watch(node, tmp_path):
+    node.add_gpu(memory=96 * MiB, events=False)
+    node.data["nvmlErrors"] = {"*": {"nvmlEventSetCreate": "NVML_ERROR_NOT_SUPPORTED"}}
+    node.save()
+    done, report = run_check(node, tmp_path / "out")
+    assert report["xidWatch"].startswith("off") and report["steps"]["health"]["ok"]
+    assert done.returncode == 0 and report["pass"]
 
 
 def test_the_total_limit_ends_the_check_with_a_partial_report(node, tmp_path):

@@ -280,19 +280,24 @@ class Check:
 
     def open(self) -> dict[str, Any]:
         args = self.args
-        self.backend = self.gpu.open_backend(
-            "nvml",
-            chunk_bytes=args.chunk_bytes,
-            min_chunk_bytes=args.min_chunk_bytes,
-            margin_bytes=args.margin_bytes,
-            max_unreachable_fraction=args.max_unreachable,
-            scrub_timeout_s=args.step_timeout,
-            watch_xids=True,
-        )
+        options = {
+            "chunk_bytes": args.chunk_bytes,
+            "min_chunk_bytes": args.min_chunk_bytes,
+            "margin_bytes": args.margin_bytes,
+            "max_unreachable_fraction": args.max_unreachable,
+            "scrub_timeout_s": args.step_timeout,
+        }
+        xid_watch = "on"
+        try:
+            self.backend = self.gpu.open_backend("nvml", watch_xids=True, **options)
+        except self.gpu.GpuError as exc:  # e.g. a VM without NVML events: the rest is still worth checking
+            xid_watch = f"off: {exc}"
+            self.backend = self.gpu.open_backend("nvml", watch_xids=False, **options)
         self.device = self.pick_device()
         return {
             "device": asdict(self.device),
             "scrubOnFreeDisabled": self.backend.scrub_on_free_disabled(),
+            "xidWatch": xid_watch,
         }
 
     def selftest(self) -> dict[str, Any]:
@@ -342,7 +347,7 @@ class Check:
 
     def health(self) -> dict[str, Any]:
         health = self.backend.health(self.device.uuid, since=time.time() - 60)
-        return {"snapshot": asdict(health), "problems": health.problems(), "ok": True}
+        return {"snapshot": asdict(health), "problems": health.problems(), "xidWatch": self.report.get("xidWatch")}
 
     def mig(self) -> dict[str, Any]:
         gpu_uuid = self.device.parent_uuid
