@@ -177,7 +177,11 @@ def _run_agent(args: argparse.Namespace) -> int:
         options: dict[str, object] = (
             {"root": args.simulated_root}
             if args.gpu_backend == "simulated"
-            else {"max_unreachable_fraction": args.max_unreachable}
+            else {
+                "max_unreachable_fraction": args.max_unreachable,
+                # Beside the checkpoint: the ECC baselines of allocations made before a restart.
+                "ecc_history_path": Path(args.checkpoint).with_name("ecc-history.json"),
+            }
         )
         backend = open_backend(args.gpu_backend, **options)
         cluster = KubernetesClusterClient.from_config(args.kubeconfig)

@@ -3,6 +3,7 @@ stand-ins of pynvml and cuda.bindings.driver (tests/fakes), so misuse of either 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -230,6 +231,22 @@ def test_ecc_errors_count_from_the_allocation_not_from_driver_load(node, open_nv
     health = backend.health(gpu["uuid"], allocated)
     assert health.ecc_uncorrectable_volatile == 1 and not health.healthy
     assert "1 uncorrectable ECC errors since the allocation" in health.problems()
+
+
+def test_the_ecc_baseline_outlives_an_agent_restart(node, open_nvml, tmp_path):
+    history = tmp_path / "ecc-history.json"
+    gpu = node.add_gpu(ecc=2)
+    open_nvml(ecc_history_path=history).close()  # the agent saw 2 old errors, then restarted
+    allocated = time.time()
+    node.data["gpus"][0]["ecc"] = 3  # one more while it was down
+    node.save()
+    health = open_nvml(ecc_history_path=history).health(gpu["uuid"], allocated)
+    assert health.ecc_uncorrectable_volatile == 1, "the old two are not counted, the new one is"
+    node.data["gpus"][0]["ecc"] = 0  # the driver was reloaded: volatile counters start again
+    node.save()
+    later = open_nvml(ecc_history_path=history)
+    assert later.health(gpu["uuid"], allocated).ecc_uncorrectable_volatile == 0
+    assert [c for _, c in json.loads(history.read_text())[gpu["uuid"]]] == [0], "a new history after the reload"
 
 
 def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):

@@ -74,6 +74,7 @@ class NvmlBackend:
         child_env: Mapping[str, str] | None = None,
         params_path: Path = PARAMS_PATH,
         mig_config_path: Path = mig.MIG_CONFIG_CAPABILITY,
+        ecc_history_path: Path | None = None,
     ) -> None:
         try:
             self._nvml = importlib.import_module("pynvml")
@@ -95,7 +96,7 @@ class NvmlBackend:
         except self._nvml.NVMLError as exc:
             raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
         self._xids: XidWatcher | None = None
-        self._ecc = EccBaseline()
+        self._ecc = EccBaseline(ecc_history_path)
         gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
         self._gpus = gpus
         self._sample_ecc()

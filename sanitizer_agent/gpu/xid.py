@@ -10,11 +10,14 @@ row-remapping counters, which persist, cover the memory faults among them.
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .base import GpuError, critical_xid
@@ -158,30 +161,59 @@ class XidWatcher:
 
 
 class EccBaseline:
-    """Samples of each GPU's volatile uncorrectable ECC count, so that health counts only the errors since
-    a device was allocated: one old error must not fence a GPU forever. Where no sample is older than the
-    allocation (the agent started after it), the baseline is 0: every error since driver load counts."""
+    """Each GPU's volatile uncorrectable ECC count over time, so that health counts only the errors since a
+    device was allocated: one old error must not fence a GPU forever.
 
-    def __init__(self, sample_every_s: float = 10.0) -> None:
+    Sampled every few seconds; kept as the first sample and every change (a few entries per GPU, however long
+    a claim runs), and in `path` (the agent's state directory) so that a restarted agent still knows the
+    count at allocations made before it. A count that went down means the driver was reloaded: the history
+    starts again. Where no history reaches back to the allocation, the baseline is 0: every error since
+    driver load counts (fail closed)."""
+
+    def __init__(self, path: Path | None = None, sample_every_s: float = 10.0) -> None:
+        self.path = path
         self.sample_every_s = sample_every_s
-        self._samples: dict[str, list[tuple[float, int]]] = {}
+        self._changes: dict[str, list[tuple[float, int]]] = {}  # GPU -> [(first sample), (each change)...]
+        self._seen: dict[str, float] = {}  # GPU -> time of the last sample (this process)
         self._lock = threading.Lock()
+        if path is not None:
+            try:
+                loaded = json.loads(path.read_text())
+                self._changes = {uuid: [(float(t), int(c)) for t, c in changes] for uuid, changes in loaded.items()}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                log.warning("ignoring the ECC history %s (%s): baselines start now", path, exc)
 
     def due(self, gpu_uuid: str, now: float) -> bool:
         with self._lock:
-            samples = self._samples.get(gpu_uuid)
-            return not samples or now - samples[-1][0] >= self.sample_every_s
+            return now - self._seen.get(gpu_uuid, float("-inf")) >= self.sample_every_s
 
     def record(self, gpu_uuid: str, at: float, count: int) -> None:
         with self._lock:
-            samples = self._samples.setdefault(gpu_uuid, [])
-            # A counter that went down (driver reload) starts a new history.
-            if samples and count < samples[-1][1]:
-                samples.clear()
-            samples.append((at, count))
-            del samples[:-HISTORY]
+            self._seen[gpu_uuid] = at
+            changes = self._changes.get(gpu_uuid)
+            if changes and count == changes[-1][1]:
+                return
+            if not changes or count < changes[-1][1]:  # a first sample, or a driver reload
+                self._changes[gpu_uuid] = [(at, count)]
+            else:
+                changes.append((at, count))
+                del changes[1:-HISTORY]
+            self._save()
 
     def at(self, gpu_uuid: str, since: float) -> int:
         with self._lock:
-            older = [count for at, count in self._samples.get(gpu_uuid, []) if at <= since]
+            changes = self._changes.get(gpu_uuid, [])
+            older = [count for at, count in changes if at <= since]
         return older[-1] if older else 0
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self._changes))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot keep the ECC history in %s: %s", self.path, exc)
