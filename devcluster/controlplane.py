@@ -219,6 +219,7 @@ class ControlPlane:
         wait_for(lambda: self._etcd_healthy() or self.etcd.check_alive(), self.ready_timeout, "etcd's /health")
 
     def start_apiserver(self) -> None:
+        self.apiserver.stop()  # one shutting down (stop_apiserver) finishes first
         self.apiserver.start()
         wait_for(
             lambda: self.get("/readyz")[0] == 200 or self.apiserver.check_alive(),
@@ -226,6 +227,15 @@ class ControlPlane:
             f"kube-apiserver's /readyz on {self.url}",
             interval=0.2,
         )
+
+    def stop_apiserver(self, crash: bool = False) -> None:
+        """kill -9, or SIGTERM; returns once it no longer answers (a graceful shutdown may take a while longer to
+        exit: ``start_apiserver`` waits for that)."""
+        if crash:
+            self.apiserver.kill()
+            return
+        self.apiserver.terminate()
+        wait_for(lambda: self.get("/readyz")[0] == 0, self.ready_timeout, "kube-apiserver to stop answering")
 
     def restart_apiserver(self, crash: bool = False) -> None:
         self.apiserver.kill() if crash else self.apiserver.stop()

@@ -4,7 +4,7 @@ claims for the kubelet stand-in.
 
 Devices are named as NVIDIA's driver names them: ``gpu-<index>`` for full GPUs and ``gpu-<index>-mig-<n>``
 for MIG slices, with attributes ``type`` (``gpu``/``mig``), ``uuid``, ``parentUUID`` (MIG), ``index``,
-``productName`` and a ``memory`` capacity. A GPU and its MIG slices consume the same ``memorySlice<n>``
+``productName`` and a ``memory`` capacity. A GPU and its MIG slices consume the same ``memory-slice-<n>`` (NVIDIA's names)
 counters, so the scheduler never hands out a GPU and one of its slices at once; the counter sets go in a
 ResourceSlice of their own in the same pool from 1.35 (which refuses ``sharedCounters`` beside ``devices``),
 beside the devices on 1.34 (which wants them there).
@@ -95,14 +95,14 @@ def resource_slices(
         }
         if d.is_mig:
             attributes["parentUUID"] = {"string": d.parent_uuid}
-            counter_set = f"{names.get(d.parent_uuid or '', '')}-counters"
+            counter_set = f"{names.get(d.parent_uuid or '', '')}-counter-set"
             entry["consumesCounters"] = [
-                {"counterSet": counter_set, "counters": {f"memorySlice{d.index}": {"value": "1"}}}
+                {"counterSet": counter_set, "counters": {f"memory-slice-{d.index}": {"value": "1"}}}
             ]
         elif children.get(d.uuid):
-            counters = {f"memorySlice{m.index}": {"value": "1"} for m in children[d.uuid]}
-            counter_sets.append({"name": f"{names[d.uuid]}-counters", "counters": counters})
-            entry["consumesCounters"] = [{"counterSet": f"{names[d.uuid]}-counters", "counters": counters}]
+            counters = {f"memory-slice-{m.index}": {"value": "1"} for m in children[d.uuid]}
+            counter_sets.append({"name": f"{names[d.uuid]}-counter-set", "counters": counters})
+            entry["consumesCounters"] = [{"counterSet": f"{names[d.uuid]}-counter-set", "counters": counters}]
         slice_devices.append(entry)
     apart = bool(counter_sets) and counters_apart
     pool = {"name": node, "generation": generation, "resourceSliceCount": 2 if apart else 1}

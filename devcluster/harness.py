@@ -56,7 +56,7 @@ from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from . import driver
 from .controlplane import ControlPlane, StaticUser, binaries
 from .observer import Observed, Observer, invariant_violations
-from .pki import write_kubeconfig
+from .pki import issue_client_cert, write_kubeconfig
 from .processes import REPO_ROOT, HarnessError, ManagedProcess, free_port, wait_for
 from .rest import Rest
 from .serviceproxy import applied_file
@@ -156,6 +156,8 @@ class Paths:
     driver_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
     webhook_configurations: Path = field(init=False)
+    client_ca: Path = field(init=False)
+    admission_config: Path = field(init=False)
     logs: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +174,8 @@ class Paths:
         self.driver_kubeconfig = r / "node" / "driver-kubeconfig.yaml"
         self.audit_log = r / "audit" / "audit.jsonl"
         self.webhook_configurations = r / "webhook-configurations.yaml"
+        self.client_ca = r / "webhook-client" / "ca.crt"
+        self.admission_config = r / "webhook-client" / "admission-configuration.yaml"
         self.logs = r / "logs"
 
 
@@ -228,6 +232,7 @@ class Cluster:
             self.paths.root / "control-plane",
             users=[StaticUser(u.name, u.token, u.groups) for k, u in self.users.items() if k != "agent"],
             version=version,
+            admission_config=self.paths.admission_config,
             ready_timeout=ready_timeout,
         )
         self._agent_args = list(agent_args)
@@ -253,7 +258,6 @@ class Cluster:
     def start(self) -> Cluster:
         try:
             self._prepare()
-            self.control_plane.start()
             self.service.start()
             self.service_port = int(
                 wait_for(
@@ -265,11 +269,13 @@ class Cluster:
                     "the webhook Service's port",
                 )
             )
+            self._webhook_client_credentials()
+            self.control_plane.start()
+            self._install_node()
             self.webhook.start()
-            self._install()
-            self.node_process.start()
-            self.agent.start()
             self.wait_webhook_ready()
+            self._install()
+            self.agent.start()
             self.wait_agent_ready()
             wait_for(self._slice_published, self.ready_timeout, f"the ResourceSlice of node {self.node}")
             self.observer.start()
@@ -342,6 +348,46 @@ class Cluster:
         self.write_policy(policy_with_key(public_key_pem(self._signing_key)))
         self.set_webhook_port(self.webhook_port)
 
+    def _webhook_client_credentials(self) -> None:
+        """The API server's client certificate for webhooks, from a CA of its own (the ConfigMap
+        scrubgate-webhook-client-ca of the base; README, "Installing on a cluster"), given to kube-apiserver
+        through --admission-control-config-file for the host it dials; the webhook runs with --client-ca."""
+        directory = self.paths.client_ca.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = generate_ca("scrubgate-apiserver-client-ca")
+        pair = issue_client_cert(ca, "kube-apiserver")
+        (directory / "client.crt").write_bytes(pair.cert_pem)
+        (directory / "client.key").write_bytes(pair.key_pem)
+        self.paths.client_ca.write_bytes(ca.cert_pem)
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "users": [
+                {
+                    "name": f"127.0.0.1:{self.service_port}",  # the host:port the webhook configurations' url names
+                    "user": {
+                        "client-certificate": str(directory / "client.crt"),
+                        "client-key": str(directory / "client.key"),
+                    },
+                }
+            ],
+        }
+        (directory / "kubeconfig.yaml").write_text(yaml.safe_dump(kubeconfig))
+        plugin = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "WebhookAdmissionConfiguration",
+            "kubeConfigFile": str(directory / "kubeconfig.yaml"),
+        }
+        admission = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "AdmissionConfiguration",
+            "plugins": [
+                {"name": name, "configuration": plugin}
+                for name in ("ValidatingAdmissionWebhook", "MutatingAdmissionWebhook")
+            ],
+        }
+        self.paths.admission_config.write_text(yaml.safe_dump(admission))
+
     def write_policy(self, policy: dict[str, Any]) -> None:
         """Replace the webhook's policy file (the webhook reloads it on change)."""
         tmp = self.paths.policy.with_suffix(".tmp")
@@ -351,10 +397,20 @@ class Cluster:
     def policy(self) -> dict[str, Any]:
         return yaml.safe_load(self.paths.policy.read_text())
 
+    def _install_node(self) -> None:
+        """What is there before scrubgate: NVIDIA's DeviceClasses and driver identity, and the GPU node."""
+        for device_class in driver.device_classes():
+            self.apply(device_class)
+        self._install_driver_identity()
+        node = self.control_plane.pki.client(
+            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
+        )
+        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
+        self.node_process.start()
+
     def _install(self) -> None:
-        """scrubgate as the kustomize base installs it (its identities, RBAC and webhook configurations, with
-        the caBundle and the local overlay), NVIDIA's DeviceClasses and driver identity, and the credentials
-        of the node, the driver and the agent."""
+        """scrubgate as the kustomize base installs it: its identities and RBAC, then, once the webhook serves,
+        the webhook configurations (with the caBundle and the local overlay); and the agent's credentials."""
         base = render_base(kubectl=self.control_plane.bins["kubectl"])
         for doc in base:
             if doc["kind"] in INSTALLED_KINDS:
@@ -366,15 +422,8 @@ class Cluster:
         self.paths.webhook_configurations.write_text(yaml.safe_dump_all(configurations, sort_keys=False))
         for doc in configurations:
             self.apply(doc)
-        for device_class in driver.device_classes():
-            self.apply(device_class)
-        self._install_driver_identity()
         self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
         self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
-        node = self.control_plane.pki.client(
-            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
-        )
-        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
 
     def _install_driver_identity(self) -> None:
         ns, sa = driver.DRIVER_NAMESPACE, driver.DRIVER_SERVICE_ACCOUNT
@@ -453,6 +502,7 @@ class Cluster:
             "--tls-key": p.certs / "tls.key",
             "--policy": p.policy,
             "--audit-log": p.audit_log,
+            "--client-ca": p.client_ca,  # as the base's Deployment: only the API server may ask
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 
@@ -481,6 +531,10 @@ class Cluster:
     def start_api(self) -> None:
         """Start kube-apiserver again (same port, same etcd) and wait until it is ready."""
         self.control_plane.start_apiserver()
+
+    def stop_api(self, crash: bool = False) -> None:
+        """kube-apiserver down: kill -9 with ``crash``, else SIGTERM; returns once it no longer answers."""
+        self.control_plane.stop_apiserver(crash)
 
     def restart_api(self, crash: bool = False) -> None:
         """Stop (or kill -9 with ``crash``) and start kube-apiserver; its objects survive in etcd."""
@@ -610,10 +664,10 @@ class Cluster:
         error status, with the API server's Status in ``.body``."""
         return Rest(self.client(user)).request(method, path, body, query=query, content_type=content_type)
 
-    def create_namespace(self, name: str, trusted: bool = False) -> None:
-        """A namespace where every tenant may `edit` (the bootstrap ClusterRole), ready for pods (its
-        `default` ServiceAccount exists)."""
-        labels = {names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {}
+    def create_namespace(self, name: str, trusted: bool = False, labels: dict[str, str] | None = None) -> None:
+        """A namespace (created by the admin) where every tenant may `edit` (the bootstrap ClusterRole), ready
+        for pods (its `default` ServiceAccount exists)."""
+        labels = {**(labels or {}), **({names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {})}
         self.request("POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
         if self.tenants:
             self.request(
@@ -737,24 +791,15 @@ class Cluster:
 
 
 def object_path(doc: dict[str, Any]) -> str:
-    """The URL path of ``doc`` (the kinds the harness installs, and DRA objects)."""
+    """The URL path of ``doc`` (kinds whose plural is the regular English one, as for every kind here)."""
     api_version, kind, meta = doc["apiVersion"], doc["kind"], doc["metadata"]
-    plural = PLURALS.get(kind) or kind.lower() + "s"
+    lower = kind.lower()
+    plural = lower[:-1] + "ies" if lower.endswith("y") else lower + ("es" if lower.endswith("s") else "s")
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     namespace = meta.get("namespace")
     return (
         f"{prefix}/namespaces/{namespace}/{plural}/{meta['name']}" if namespace else f"{prefix}/{plural}/{meta['name']}"
     )
-
-
-PLURALS = {
-    "DeviceClass": "deviceclasses",
-    "PriorityClass": "priorityclasses",
-    "NetworkPolicy": "networkpolicies",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
-    "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
-}
 
 
 def denial(call: Callable[[], object]) -> tuple[int, str]:

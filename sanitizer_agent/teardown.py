@@ -49,6 +49,7 @@ from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend, GpuError, HealthSnapshot
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
 from .metrics import AgentMetrics
+from .partitions import device_health, device_processes, scrub_device
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class TeardownEngine:
                 uuid=uuid,
                 fence_rule=rule_name(names.TAINT_UNSANITIZED, claim.uid, key_str(key)),
                 failed_rule=rule_name(names.TAINT_SCRUB_FAILED, claim.uid, key_str(key)),
+                placement=slices[key].placement if key in slices else None,
             )
             for key, uuid in devices
         ]
@@ -412,10 +414,11 @@ class TeardownEngine:
     def _on_draining(self, td: Teardown) -> Outcome:
         holders = []
         for device in td.devices:
-            if device.uuid is None:
+            if device.uuid is None and device.placement is None:
                 continue  # fails in scrubbing, with the reason
             try:
-                holders += [f"pid {p.pid} ({p.kind}) on {device.uuid}" for p in self.backend.processes(device.uuid)]
+                where = device.uuid or device.key
+                holders += [f"pid {p.pid} ({p.kind}) on {where}" for p in device_processes(self.backend, device)]
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot list processes on {device.key} ({device.uuid}): {exc}")
         if not holders:
@@ -435,14 +438,14 @@ class TeardownEngine:
         started = self.clock()
         scrubbed = []
         for device in td.devices:
-            if device.uuid is None:
+            if device.uuid is None and device.placement is None:
                 return self._fail(
                     td,
                     "no-uuid",
                     f"{device.key} has no uuid attribute in this node's ResourceSlices; cannot tell which GPU to scrub",
                 )
             try:
-                result = self.backend.scrub(device.uuid)
+                result = scrub_device(self.backend, device)
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot reach {device.key} ({device.uuid}) to scrub it: {exc}")
             self.metrics.scrub_duration.observe(result.duration_s)
@@ -457,7 +460,7 @@ class TeardownEngine:
         snapshots = []
         for device in td.devices:
             try:
-                snapshots.append(self.backend.health(device.uuid or "", since=td.allocated_at))
+                snapshots.append(device_health(self.backend, device, td.allocated_at))
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot read the health of {device.key} ({device.uuid}): {exc}")
         problems = [f"{d.uuid}: {p}" for d, s in zip(td.devices, snapshots, strict=True) for p in s.problems()]
@@ -484,6 +487,9 @@ class TeardownEngine:
                     "uuid": d.uuid,
                     "bytesScrubbed": d.scrub.bytes_scrubbed if d.scrub else 0,
                     "bytesTotal": d.scrub.bytes_total if d.scrub else 0,
+                    # Coverage, stated: what the driver reserves, and what the scrub could not reach.
+                    "bytesReserved": d.scrub.bytes_reserved if d.scrub else 0,
+                    "bytesUnreachable": d.scrub.bytes_unreachable if d.scrub else 0,
                     "method": d.scrub.method if d.scrub else "",
                     "verified": bool(d.scrub and d.scrub.verified),
                 }

@@ -1,5 +1,5 @@
-"""Fixtures and helpers for the end-to-end tests: a whole installation (API stand-in, webhook, agent as
-separate processes; devcluster.harness) and what tenants do on it.
+"""Fixtures and helpers for the end-to-end tests: a whole installation (the real control plane, webhook,
+agent as separate processes; devcluster.harness) and what tenants do on it.
 
 In a test module (pytest finds fixtures among the module's attributes; the fixtures are named
 ``cluster_factory`` and ``cluster``, so test parameters of those names shadow no import)::
@@ -67,10 +67,12 @@ def cluster_fixture(cluster_factory: Callable[..., Cluster]) -> Cluster:
 # ---------------------------------------------------------------------- tenants
 
 
-def tenant_namespace(cluster: Cluster, prefix: str = "team", trusted: bool = False) -> str:
+def tenant_namespace(
+    cluster: Cluster, prefix: str = "team", trusted: bool = False, labels: dict[str, str] | None = None
+) -> str:
     """A new namespace (multi-tenant unless ``trusted``); the name is unique within the cluster."""
     name = f"{prefix}-{next(_seq)}"
-    cluster.create_namespace(name, trusted=trusted)
+    cluster.create_namespace(name, trusted=trusted, labels=labels)
     return name
 
 

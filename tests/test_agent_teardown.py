@@ -42,6 +42,9 @@ def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
     assert payload["node"] == NODE
     assert payload["devices"][0]["uuid"] == node.gpus[target].uuid
     assert payload["devices"][0]["bytesScrubbed"] == simulated.memory_size(node.root, node.gpus[target].uuid)
+    # Coverage stated: the driver's reserve, and nothing out of the scrub's reach.
+    assert payload["devices"][0]["bytesReserved"] == node.gpus[target].memory_reserved
+    assert payload["devices"][0]["bytesUnreachable"] == 0
     assert payload["health"] == {"eccUncorrectable": 0, "remapPending": False, "xids": []}
     assert after["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_VERIFIED
     assert agent.store.teardowns == {}
@@ -64,7 +67,11 @@ def test_each_kind_of_release_starts_the_teardown(tmp_path, release):
         node.cluster.deallocate("team-a", "job")
         agent.resync()
     else:
+        # Deleted, and no longer reserved: the pod went without the agent seeing it (deletion alone releases
+        # nothing while a reserved pod runs: test_agent_release.py).
         node.cluster.delete_claim("team-a", "job")
+        node.cluster.pods.pop(uid)
+        node.cluster.claims[("team-a", "job")]["status"]["reservedFor"] = []
         agent.resync()
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules

@@ -474,7 +474,7 @@ def test_a_claim_the_agent_never_saw_is_still_scrubbed(cluster_factory: Any) -> 
     assert_invariant(cluster)
 
 
-# ---------------------------------------------------------------------- the API stand-in goes away mid-teardown
+# ---------------------------------------------------------------------- kube-apiserver goes away mid-teardown
 
 
 @pytest.mark.timeout(120)
@@ -485,10 +485,7 @@ def test_api_outage_mid_teardown(cluster: Cluster, crash: bool) -> None:
     held = hold_gpu(cluster, ns_a, "a", "one-gpu")
     hold_agent_at(cluster, held, "draining")
 
-    if crash:
-        cluster.api.kill()
-    else:
-        cluster.api.stop()
+    cluster.stop_api(crash=crash)
     cluster.clear_faults(held.uuid)
     # Without the API the agent scrubs and signs, then cannot write the attestation: it waits, fenced.
     wait_teardown(cluster, held, State.ATTESTED)

@@ -498,6 +498,7 @@ def test_webhook_deployment(docs: list[Doc]):
         "--port", "8443",
         "--policy", "/etc/scrubgate/policy/policy.yaml",
         "--audit-log", "/var/log/scrubgate/audit.jsonl",
+        "--client-ca", "/etc/scrubgate/client-ca/ca.crt",
     ]  # fmt: skip
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
@@ -532,6 +533,8 @@ def test_webhook_mounts_what_its_arguments_name(docs: list[Doc]):
     configmap = one(docs, "ConfigMap", policy_volume["configMap"]["name"])
     assert configmap["data"]["policy.yaml"] == (REPO / "policies" / "default.yaml").read_text()
     assert "emptyDir" in volumes[mounts["/var/log/scrubgate"]["name"]]
+    # Only the API server, with a client certificate of this CA, gets admission decisions.
+    assert volumes[mounts["/etc/scrubgate/client-ca"]["name"]]["configMap"]["name"] == "scrubgate-webhook-client-ca"
 
 
 def test_disruption_budget_keeps_a_replica(docs: list[Doc]):
@@ -587,11 +590,14 @@ def test_agent_volumes(docs: list[Doc]):
     assert key["secret"]["items"] == [{"key": "ed25519.pem", "path": "ed25519.pem"}]
 
 
-def test_agent_container_is_locked_down_apart_from_root(docs: list[Doc]):
-    context = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["containers"][0]["securityContext"]
-    assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
-    assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+def test_agent_container_is_privileged_for_its_devices_and_says_why(docs: list[Doc]):
+    pod = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
+    context = pod["containers"][0]["securityContext"]
+    assert context["privileged"] is True and context["readOnlyRootFilesystem"] is True
     assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not pod.get("hostPID") and not pod.get("hostNetwork")
+    text = (Path(__file__).parent.parent / "manifests" / "agent-daemonset.yaml").read_text()
+    assert "dynamic MIG" in text and "nvidia-caps" in text, "the manifest says why it is privileged"
 
 
 # --- RBAC --------------------------------------------------------------------------------------------
