@@ -277,9 +277,14 @@ def test_policy_values_merge_over_the_default(helm: str, tmp_path: Path):
     assert old["checksum/policy"] != new["checksum/policy"]
 
 
-def test_webhook_values(helm: str):
+def test_webhook_values(helm: str, tmp_path: Path):
+    client_ca = tmp_path / "client-ca.crt"
+    client_ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    assert not [d for d in render(helm) if d["metadata"]["name"] == "scrubgate-webhook-client-ca"]
     docs = render(
         helm,
+        "--set-file",
+        f"webhook.clientCA={client_ca}",
         "--set",
         "webhook.replicas=3,webhook.resources.limits.memory=1Gi,webhook.audit.signingKeySecret=audit-key,"
         "webhook.audit.checkpointIntervalSeconds=30,webhook.audit.maxBytes=4096,webhook.audit.backups=3",
@@ -295,6 +300,9 @@ def test_webhook_values(helm: str):
 
     assert arg("--audit-signing-key") == "/etc/scrubgate/audit-key/ed25519.pem"
     assert (arg("--audit-checkpoint-interval"), arg("--audit-max-bytes"), arg("--audit-backups")) == ("30", "4096", "3")
+    assert one(docs, "ConfigMap", "scrubgate-webhook-client-ca")["data"] == {"ca.crt": client_ca.read_text()}
+    client_volume = next(v for v in pod["volumes"] if v["name"] == "client-ca")
+    assert client_volume["configMap"]["name"] == "scrubgate-webhook-client-ca"
     mount = next(m for m in container["volumeMounts"] if m["name"] == "audit-key")
     assert "/etc/scrubgate/audit-key/ed25519.pem".startswith(mount["mountPath"])
     assert next(v for v in pod["volumes"] if v["name"] == "audit-key")["secret"]["secretName"] == "audit-key"

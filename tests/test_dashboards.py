@@ -30,6 +30,7 @@ def exported() -> set[str]:
     webhook = Metrics()
     webhook.admission.count("validate", "CREATE", "Pod", "deny", 0.001)
     webhook.admission.hit("SG007", "deny")
+    webhook.refusals.labels(rule="SG007", reason="metadata.finalizers").inc()  # labelled: no sample before
     agent = AgentMetrics()
     agent.scrub_duration.observe(1.0)
     agent.teardown_overhead.observe(0.1)

@@ -62,6 +62,7 @@ def build() -> dict[str, Any]:
                         "replicas": {"type": "integer", "minimum": 1},
                         "resources": RESOURCES,
                         "url": {"type": "string", "pattern": "^(https://.+)?$"},
+                        "clientCA": STRING,
                         "audit": _object(
                             {
                                 "maxBytes": {"type": ["integer", "null"], "minimum": 1024},
