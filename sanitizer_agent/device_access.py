@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .claims import DeviceKey, SliceDevice, key_str
+from .claims import DeviceKey, SliceDevice, key_str, unscrubbable
 from .gpu import GpuBackend, GpuError
 
-NVIDIA_DRIVER_SUFFIX = "nvidia.com"
 ADVICE = (
     "run the agent as manifests/agent-daemonset.yaml does (privileged, runtimeClassName nvidia, "
     "NVIDIA_VISIBLE_DEVICES=all), and check that `nvidia-smi -L` on the node lists the GPU"
@@ -25,13 +24,14 @@ class DeviceAccessError(GpuError):
 
 
 def require_device_access(node: str, slices: Mapping[DeviceKey, SliceDevice], backend: GpuBackend) -> None:
-    """Raises DeviceAccessError naming every GPU this node's ResourceSlices publish that the backend cannot
-    see, and the MIG management access dynamic MIG needs where the backend cannot use it."""
+    """Raises DeviceAccessError naming every GPU this node's ResourceSlices publish, of those the agent guards,
+    that the backend cannot see, and the MIG management access dynamic MIG needs where the backend cannot use
+    it."""
     wanted: dict[str, str] = {}
     dynamic = False
     for key, device in slices.items():
-        if not key[0].endswith(NVIDIA_DRIVER_SUFFIX):
-            continue
+        if unscrubbable(key, device):
+            continue  # not guarded (vfio passthrough, another driver's device): nothing to open
         if device.uuid:
             wanted.setdefault(device.uuid, key_str(key))
         if device.placement is not None:
