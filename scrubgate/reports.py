@@ -62,9 +62,19 @@ def _keep_first_seen(new: dict[str, Any], old: Mapping[str, Any] | None) -> None
 def write_reports(api: Api, reports: Mapping[str, dict[str, Any]]) -> dict[str, str]:
     """Creates, updates or deletes scrubgate's reports so that they are `reports`; returns
     namespace -> what was done (created, updated, unchanged, deleted)."""
+    try:
+        listed = list_all(api, f"{GROUP_PATH}/policyreports", query={"labelSelector": SELECTOR})[0]
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        raise ApiError(
+            f"{exc}: the cluster serves no {API_VERSION} PolicyReports; install the CRDs "
+            "(manifests/components/reports/crds.yaml, or the chart, which ships them)",
+            404,
+        ) from None
     existing = {
         (item.get("metadata") or {}).get("namespace", CLUSTER_SCOPE): item
-        for item in list_all(api, f"{GROUP_PATH}/policyreports", query={"labelSelector": SELECTOR})[0]
+        for item in listed
         if (item.get("metadata") or {}).get("name") == REPORT_NAME
     }
     try:

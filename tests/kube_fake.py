@@ -18,9 +18,10 @@ PLURALS = {kind.plural for kind in (NAMESPACES, *CHECKED_KINDS)} | {"policyrepor
 
 
 class FakeApi:
-    def __init__(self, *, dra_versions: tuple[str, ...] = ("v1",)) -> None:
+    def __init__(self, *, dra_versions: tuple[str, ...] = ("v1",), served: tuple[str, ...] = ("/apis/",)) -> None:
         self.collections: dict[str, list[Obj]] = {}  # collection path (all namespaces) -> items
         self.dra_versions = dra_versions
+        self.served = served  # path prefixes the server answers; others are 404
         self.calls: list[tuple[str, str, dict[str, str]]] = []
         self.events: dict[str, list[Obj]] = {}  # watch path -> events to send
         self.watched = threading.Event()
@@ -48,6 +49,8 @@ class FakeApi:
                 "versions": [{"version": v} for v in self.dra_versions],
                 "preferredVersion": {"version": self.dra_versions[0]},
             }
+        if not path.startswith(("/api/", *self.served)):
+            raise ApiError(f"{method} {path}: HTTP 404: the server could not find the requested resource", 404)
         if method == "GET" and path.rsplit("/", 1)[-1] in PLURALS:
             return self._list(path, dict(query or {}))
         collection, namespace, name = self._split(path)

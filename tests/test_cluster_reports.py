@@ -19,7 +19,7 @@ from scrubgate.policies.config import load_policy
 from test_manifests import kustomize
 
 from scrubgate import __version__, cli, reports
-from scrubgate.cluster import CHECKED_KINDS, KubeApi, check_cluster, read_cluster
+from scrubgate.cluster import CHECKED_KINDS, ApiError, KubeApi, check_cluster, read_cluster
 from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
 from scrubgate.policyreport import build_reports
 
@@ -265,3 +265,9 @@ def test_policyreport_format_for_files_in_ci(tmp_path, capsys):
         ("PolicyReport", "default"),
     ]
     assert [r["rule"] for r in docs[1]["results"]] == ["SG001"]
+
+
+def test_reports_without_the_crds_say_what_to_install():
+    api = FakeApi(served=("/apis/resource.k8s.io", "/apis/apps/", "/apis/batch/"))
+    with pytest.raises(ApiError, match=r"serves no wgpolicyk8s.io/v1alpha2 PolicyReports; install the CRDs"):
+        reports.reconcile(api, load_policy(None))
