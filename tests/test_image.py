@@ -96,6 +96,12 @@ def test_install_script_builds_a_working_prefix_from_the_copied_files(tmp_path: 
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"scrubgate {__version__}" in result.stdout
     assert not (prefix / "bin" / "pip").exists()
+    # The GPU kernels the agent loads ship as package data: the image must carry every one.
+    kernels = {
+        p.name for p in (REPO / "sanitizer_agent" / "gpu" / "kernels").glob("*") if p.suffix in (".ptx", ".cubin")
+    }
+    installed = {p.name for p in prefix.glob("lib/python*/site-packages/scrubgate/sanitizer_agent/gpu/kernels/*")}
+    assert kernels and kernels <= installed, kernels - installed
     # Byte-compiled at build time: the read-only root filesystem never sees a .pyc write.
     sources = list((prefix / "lib").glob("python*/site-packages/scrubgate/webhook/*.py"))
     assert sources and all(list(s.parent.glob(f"__pycache__/{s.stem}.*.pyc")) for s in sources), (
