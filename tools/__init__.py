@@ -1,0 +1,1 @@
+"""Repository tools (not installed): the image install script, the helm build, the chart schema."""
