@@ -45,6 +45,7 @@ def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
 def cluster(shared_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     yield shared_cluster
     request.node.add_report_section("teardown", "devcluster logs", shared_cluster.diagnostics(60))
+    shared_cluster.set_webhook_port(shared_cluster.webhook_port)
     for process in (shared_cluster.node_process, shared_cluster.agent):
         if not process.running:
             process.start()
@@ -234,6 +235,37 @@ def named_claim_running(cluster: Cluster, namespace: str, pod: str, claim: str) 
     found = cluster.claim(namespace, claim)
     assert found is not None, f"claim {namespace}/{claim} of running pod {pod} does not exist"
     return found
+
+
+def test_with_the_webhook_down_gpu_pods_still_schedule_and_end(cluster: Cluster) -> None:
+    """The matchConditions send only what a rule decides: the scheduler's allocation, the kubelet's status and
+    final delete, the pod's graceful delete reach no webhook. Only the deallocation waits (fail closed), and the
+    agent's writes, until the webhook is back; then the device is scrubbed and released as ever."""
+    ns = tenant_namespace(cluster, "outage")
+    create_template(cluster, "alice", ns, "one-gpu")
+    body = workloads.pod("gated", template="one-gpu", annotations=workloads.workload_annotations(canary=CANARY))
+    # Held until the outage: no node carries this label yet (a pod update would go to the webhook).
+    body["spec"]["nodeSelector"] = {"scrubgate.test/outage": ns}
+    cluster.core("alice").create_namespaced_pod(ns, body)
+    name = wait_for(lambda: cluster.pod_claim(ns, "gated"), WAIT_S, "the pod's claim")  # created, mutated
+    cluster.set_webhook_port(None)
+    label = {"metadata": {"labels": {"scrubgate.test/outage": ns}}}
+    path = f"/api/v1/nodes/{cluster.node}"
+    cluster.request("PATCH", path, label, content_type="application/merge-patch+json")
+    wait_phase(cluster, ns, "gated", "Running")
+    claim = cluster.claim(ns, name) or {}
+    assert allocated_device(claim), "scheduled without an allocation"
+    cluster.core("alice").delete_namespaced_pod("gated", ns)  # graceful: no webhook asked
+    wait_for(lambda: cluster.pod(ns, "gated") is None, WAIT_S, "the pod's final delete")
+    held = cluster.claim(ns, name) or {}
+    assert (held.get("status") or {}).get("allocation"), "deallocated while the webhook was down"
+    cluster.set_webhook_port(cluster.webhook_port)
+    unlabel = {"metadata": {"labels": {"scrubgate.test/outage": None}}}
+    cluster.request("PATCH", path, unlabel, content_type="application/merge-patch+json")
+    wait_gone(cluster, ns, name, timeout=WAIT_S * 2)
+    verified_attestation(cluster, claim["metadata"]["uid"])
+    assert CANARY.encode() not in cluster.gpu_memory(cluster.device_uuid(allocated_device(claim)[2]))
+    assert_invariant(cluster)
 
 
 def scrub_status(claim: dict) -> str | None:

@@ -374,6 +374,40 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
         yield f"resourceclaims/status: {name}", data, expected
 
 
+def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
+    """A claim's own UPDATE reaches the webhook only when it changes annotations or the sanitize finalizer."""
+
+    def claim(finalizers: list[str], **annotations: str) -> Doc:
+        meta: Doc = {"name": "c", "finalizers": finalizers}
+        if annotations:
+            meta["annotations"] = annotations
+        return {"metadata": meta, "spec": CLAIM["spec"]}
+
+    ours = [names.FINALIZER]
+    protected = [names.FINALIZER, names.DELETE_PROTECTION_FINALIZER]
+    status = {names.ANNOTATION_SCRUB_STATUS: names.SCRUB_FENCED}
+    updates = [
+        ("kube-scheduler adding delete-protection in PreBind", claim(ours), claim(protected), False),
+        ("the controller removing delete-protection", claim(protected), claim(ours), False),
+        (
+            "a label only",
+            claim(ours),
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {"a": "b"}}},
+            False,
+        ),
+        ("the agent's scrub status", claim(ours), claim(ours, **status), True),
+        ("a Retain annotation", claim(ours), claim(ours, **{names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}), True),
+        ("removing the sanitize finalizer", claim(protected), claim([names.DELETE_PROTECTION_FINALIZER]), True),
+        ("the agent adding the sanitize finalizer", claim([]), claim(ours), True),
+    ]
+    for name, old, new, expected in updates:
+        yield (
+            f"resourceclaims UPDATE: {name}",
+            admission(names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old),
+            expected,
+        )
+
+
 def namespace(**labels: str) -> Doc:
     return {"metadata": {"name": "team-a", "labels": labels} if labels else {"name": "team-a"}, "spec": {}}
 
@@ -435,10 +469,11 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
             "", "pods", "CREATE", eviction, None, subresource="eviction", options={"kind": "CreateOptions"}
         )
         yield f"pods/eviction deleteOptions={options}", data, expected
-    # Every claim and template reaches us, whatever it holds: the finalizer guard sees every UPDATE.
+    # Every claim and template CREATE reaches us, and every template UPDATE.
     for resource in ("resourceclaims", "resourceclaimtemplates"):
         yield f"{resource} CREATE", admission(names.RESOURCE_GROUP, resource, "CREATE", CLAIM, None), True
-        yield f"{resource} UPDATE", admission(names.RESOURCE_GROUP, resource, "UPDATE", CLAIM, CLAIM), True
+    yield "resourceclaimtemplates UPDATE", admission(names.RESOURCE_GROUP, "resourceclaimtemplates", "UPDATE", CLAIM, CLAIM), True  # fmt: skip
+    yield from claim_updates()
     yield from claim_status_writes()
     # A DeviceTaintRule only when it is scrubgate's fence; on DELETE `object` is null.
     for key, expected in ((names.TAINT_UNSANITIZED, True), (names.TAINT_SCRUB_FAILED, True), ("example.com/x", False)):
