@@ -727,11 +727,20 @@ class Cluster:
                 return entry.get("resourceClaimName")
         return (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
 
-    def taint_rules(self) -> list[dict[str, Any]]:
+    def taint_rule_version(self) -> str | None:
+        """The newest resource.k8s.io version that serves DeviceTaintRule (v1 from 1.37, v1alpha3 on 1.34)."""
         for version in ("v1", "v1beta2", "v1alpha3"):
             with contextlib.suppress(ApiException):
-                return self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}/devicetaintrules")["items"]
-        return []
+                resources = self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}")["resources"]
+                if any(r["name"] == "devicetaintrules" for r in resources):
+                    return version
+        return None
+
+    def taint_rules(self) -> list[dict[str, Any]]:
+        version = self.taint_rule_version()
+        if version is None:
+            return []
+        return self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}/devicetaintrules")["items"]
 
     # ------------------------------------------------------------------ the node's GPUs
 
