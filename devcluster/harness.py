@@ -362,14 +362,17 @@ class Cluster:
         kubeconfig = {
             "apiVersion": "v1",
             "kind": "Config",
+            # By the host:port a webhook configuration's url names: the Service stand-in, and the webhook itself
+            # (bench/admission_latency.py bypasses the Python forwarder).
             "users": [
                 {
-                    "name": f"127.0.0.1:{self.service_port}",  # the host:port the webhook configurations' url names
+                    "name": f"127.0.0.1:{port}",
                     "user": {
                         "client-certificate": str(directory / "client.crt"),
                         "client-key": str(directory / "client.key"),
                     },
                 }
+                for port in (self.service_port, self.webhook_port)
             ],
         }
         (directory / "kubeconfig.yaml").write_text(yaml.safe_dump(kubeconfig))
