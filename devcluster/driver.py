@@ -71,9 +71,10 @@ def device_names(devices: Sequence[GpuDevice]) -> dict[str, str]:
 def resource_slices(
     node: str, devices: Sequence[GpuDevice], generation: int = 1, *, counters_apart: bool = True
 ) -> list[dict]:
-    """The pool of ``node``: one slice with the devices and, when there are MIG slices, the counter sets they
-    share with their parent GPU: in a slice of their own (``counters_apart``, Kubernetes 1.35+, which refuses
-    both in one slice), or beside the devices (1.34, which wants a counter set in the slice that uses it)."""
+    """The pool of ``node``: its devices and, when there are MIG slices, the counter sets they share with their
+    parent GPU: in a slice of their own (``counters_apart``, Kubernetes 1.35+, which refuses both in one
+    slice), or, on 1.34, which wants a counter set in the slice that uses it and at most 32 counters in a slice,
+    one slice per GPU with its MIG slices and its counter set (as NVIDIA's driver publishes)."""
     names = device_names(devices)
     children: dict[str, list[GpuDevice]] = defaultdict(list)
     for d in devices:
@@ -104,15 +105,27 @@ def resource_slices(
             counter_sets.append({"name": f"{names[d.uuid]}-counter-set", "counters": counters})
             entry["consumesCounters"] = [{"counterSet": f"{names[d.uuid]}-counter-set", "counters": counters}]
         slice_devices.append(entry)
-    apart = bool(counter_sets) and counters_apart
-    pool = {"name": node, "generation": generation, "resourceSliceCount": 2 if apart else 1}
-    spec: dict = {"driver": DRIVER, "nodeName": node, "pool": pool, "devices": slice_devices}
-    if counter_sets and not apart:
-        spec["sharedCounters"] = counter_sets
-    slices = [_slice(f"{node}-{DRIVER}", spec)]
-    if apart:
-        counters = {"driver": DRIVER, "nodeName": node, "pool": pool, "sharedCounters": counter_sets}
-        slices.append(_slice(f"{node}-{DRIVER}-counters", counters))
+    if not counter_sets:
+        groups = {"": slice_devices}
+    elif counters_apart:
+        groups = {"": slice_devices, "counters": counter_sets}
+    else:  # a slice per GPU, its counter set beside its devices (1.34 allows 32 counters in a slice)
+        groups = {}
+        for entry in slice_devices:
+            gpu = entry["name"].split("-mig-")[0]
+            groups.setdefault(gpu, []).append(entry)
+    pool = {"name": node, "generation": generation, "resourceSliceCount": len(groups)}
+    slices = []
+    for suffix, items in groups.items():
+        spec: dict = {"driver": DRIVER, "nodeName": node, "pool": pool}
+        if suffix == "counters":
+            spec["sharedCounters"] = items
+        else:
+            spec["devices"] = items
+            used = {c["counterSet"] for e in items for c in e.get("consumesCounters") or []}
+            if not counters_apart and used:
+                spec["sharedCounters"] = [c for c in counter_sets if c["name"] in used]
+        slices.append(_slice(f"{node}-{DRIVER}" + (f"-{suffix}" if suffix else ""), spec))
     return slices
 
 

@@ -362,14 +362,17 @@ class Cluster:
         kubeconfig = {
             "apiVersion": "v1",
             "kind": "Config",
+            # By the host:port a webhook configuration's url names: the Service stand-in, and the webhook itself
+            # (bench/admission_latency.py bypasses the Python forwarder).
             "users": [
                 {
-                    "name": f"127.0.0.1:{self.service_port}",  # the host:port the webhook configurations' url names
+                    "name": f"127.0.0.1:{port}",
                     "user": {
                         "client-certificate": str(directory / "client.crt"),
                         "client-key": str(directory / "client.key"),
                     },
                 }
+                for port in (self.service_port, self.webhook_port)
             ],
         }
         (directory / "kubeconfig.yaml").write_text(yaml.safe_dump(kubeconfig))
@@ -727,11 +730,20 @@ class Cluster:
                 return entry.get("resourceClaimName")
         return (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
 
-    def taint_rules(self) -> list[dict[str, Any]]:
+    def taint_rule_version(self) -> str | None:
+        """The newest resource.k8s.io version that serves DeviceTaintRule (v1 from 1.37, v1alpha3 on 1.34)."""
         for version in ("v1", "v1beta2", "v1alpha3"):
             with contextlib.suppress(ApiException):
-                return self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}/devicetaintrules")["items"]
-        return []
+                resources = self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}")["resources"]
+                if any(r["name"] == "devicetaintrules" for r in resources):
+                    return version
+        return None
+
+    def taint_rules(self) -> list[dict[str, Any]]:
+        version = self.taint_rule_version()
+        if version is None:
+            return []
+        return self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}/devicetaintrules")["items"]
 
     # ------------------------------------------------------------------ the node's GPUs
 

@@ -47,7 +47,7 @@ def test_agent_process_fences_scrubs_attests_and_stops_on_sigterm(tmp_path):
             [sys.executable, "-c", RUN, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         try:
-            rules = "/apis/resource.k8s.io/v1/devicetaintrules"
+            rules = f"/apis/resource.k8s.io/{cluster.device_taint_rule_version()}/devicetaintrules"
 
             def alive() -> bool:
                 return agent.poll() is None

@@ -86,7 +86,7 @@ def test_a_user_cannot_lift_the_agents_fence_but_the_agent_does(cluster: Cluster
         lambda: fence_of(cluster, uid), WAIT_S, f"the agent's fence for claim {ns}/{claim['metadata']['name']}"
     )
     name = rule["metadata"]["name"]
-    path = cluster.resource_path("devicetaintrules", name=name, version="v1")  # the cluster's first choice
+    path = cluster.resource_path("devicetaintrules", name=name, version=cluster.taint_rule_version())
 
     message = expect_denied(lambda: cluster.request("DELETE", path, user="bob"), "SG007")
     assert 'admission webhook "validate-fences.scrubgate.dev" denied the request' in message
