@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint cluster-bins
+test: lint cluster-bins helm-bin
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
@@ -45,10 +45,10 @@ clean:
 
 .PHONY: helm-bin chart-schema image
 
-# helm, built from its Go module (tools/helm/go.mod) into ~/.cache/scrubgate/helm/v<version>/helm; the chart
-# tests (tests/test_chart.py) build it on first use as well.
+# helm, built from its Go module (tools/helm/go.mod) into ~/.cache/scrubgate/helm/v<version>/helm, once; it prints
+# the binary's path on stdout and its progress on stderr.
 helm-bin:
-	tools/build-helm.sh >/dev/null
+	tools/build-helm.sh
 
 # charts/scrubgate/values.schema.json from the policy's own schema (after a change to policies/config.py).
 chart-schema: $(STAMP)

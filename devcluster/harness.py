@@ -207,6 +207,7 @@ class Cluster:
         keep: bool = False,
         ready_timeout: float = 120.0,
         version: str | None = None,
+        installer: str = "kustomize",
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -236,6 +237,9 @@ class Cluster:
             ready_timeout=ready_timeout,
         )
         self._agent_args = list(agent_args)
+        if installer not in ("kustomize", "helm"):
+            raise ValueError(f"installer {installer!r}: kustomize or helm")
+        self.installer = installer
         self.api = self.control_plane.apiserver
         self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
         self.node_process = ManagedProcess("node", self._node_argv(), self.paths.logs / "node.log", env)
@@ -412,8 +416,42 @@ class Cluster:
         self.node_process.start()
 
     def _install(self) -> None:
-        """scrubgate as the kustomize base installs it: its identities and RBAC, then, once the webhook serves,
-        the webhook configurations (with the caBundle and the local overlay); and the agent's credentials."""
+        """scrubgate as a user installs it, once the webhook serves, then the agent's credentials."""
+        if self.installer == "helm":
+            self._install_with_helm()
+        else:
+            self._install_with_kustomize()
+        self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
+        self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
+
+    def _install_with_helm(self) -> None:
+        """`helm install` of charts/scrubgate with its values for host processes (values-local.yaml): the
+        webhook configurations call the Service stand-in; the namespace is created first, as README says."""
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": names.SYSTEM_NAMESPACE}})
+        keys = self.paths.root / "helm-keys.yaml"
+        keys.write_text(yaml.safe_dump({"policy": {"attestationKeys": self.policy()["attestationKeys"]}}))
+        self.helm(
+            "install", "scrubgate", str(REPO_ROOT / "charts" / "scrubgate"),
+            "-f", str(REPO_ROOT / "charts" / "scrubgate" / "values-local.yaml"),
+            "--set", f"webhook.url=https://127.0.0.1:{self.service_port}",
+            "--set-file", f"certs.provided.caBundle={self.paths.certs / 'ca.crt'}",
+            "-f", str(keys),
+        )  # fmt: skip
+
+    def helm(self, *args: str) -> str:
+        """helm as the admin, in scrubgate's namespace; its output (logged to logs/helm.log)."""
+        argv = [helm_binary(), *args, "--namespace", names.SYSTEM_NAMESPACE]
+        argv += ["--kubeconfig", str(self.control_plane.credentials["admin"].kubeconfig)]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, env=self._env)
+        with (self.paths.logs / "helm.log").open("a") as log_file:
+            log_file.write(f"--- {' '.join(args)}\n{result.stdout}{result.stderr}")
+        if result.returncode != 0:
+            raise HarnessError(f"helm {args[0]} failed (exit {result.returncode}):\n{result.stdout}{result.stderr}")
+        return result.stdout
+
+    def _install_with_kustomize(self) -> None:
+        """The kustomize base: its identities and RBAC, then the webhook configurations (with the caBundle and
+        the local overlay)."""
         base = render_base(kubectl=self.control_plane.bins["kubectl"])
         for doc in base:
             if doc["kind"] in INSTALLED_KINDS:
@@ -425,8 +463,6 @@ class Cluster:
         self.paths.webhook_configurations.write_text(yaml.safe_dump_all(configurations, sort_keys=False))
         for doc in configurations:
             self.apply(doc)
-        self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
-        self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
 
     def _install_driver_identity(self) -> None:
         ns, sa = driver.DRIVER_NAMESPACE, driver.DRIVER_SERVICE_ACCOUNT
@@ -800,6 +836,16 @@ class Cluster:
             check=False,
             env=self._env,
         )
+
+
+def helm_binary() -> str:
+    """helm, as `make helm-bin` (tools/build-helm.sh) builds it from its Go module; builds it when missing."""
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "tools" / "build-helm.sh")], capture_output=True, text=True, timeout=3600, check=False
+    )
+    if result.returncode != 0:
+        raise HarnessError(f"tools/build-helm.sh failed:\n{result.stderr}")
+    return result.stdout.strip().splitlines()[-1]
 
 
 def object_path(doc: dict[str, Any]) -> str:
