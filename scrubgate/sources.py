@@ -198,13 +198,13 @@ class _Unusual(Exception):
     """A node the shortcut in `_construct` leaves to PyYAML's constructor."""
 
 
-def _construct(loader: _Loader, document: yaml.Node) -> Any:
+def _construct(loader: _Loader, document: yaml.Node, anchors: bool) -> Any:
     """What `loader.construct_document(document)` returns, three times as fast for what manifests are made of
     (string-keyed mappings, sequences, plain scalars). Anchors, merge keys, other tags or keys are left to
     PyYAML's constructor. A scalar that its tag's constructor cannot read (`2025-02-30` resolves to a date)
     is a ConstructorError on its line, not a crash."""
     constructors = loader.yaml_constructors
-    seen: set[int] = set()
+    seen: set[int] | None = set() if anchors else None  # without anchors there is no alias to look for
     scalar, mapping_node, sequence_node, plain_tag = (
         yaml.ScalarNode,
         yaml.MappingNode,
@@ -229,9 +229,10 @@ def _construct(loader: _Loader, document: yaml.Node) -> Any:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"cannot read {node.value!r} as {tag.removeprefix(_TAG)}: {exc}", node.start_mark
                 ) from None
-        if id(node) in seen:  # an alias: PyYAML shares the object
-            raise _Unusual
-        seen.add(id(node))
+        if seen is not None:
+            if id(node) in seen:  # an alias: PyYAML shares the object
+                raise _Unusual
+            seen.add(id(node))
         implicit = tag.__class__ is slice  # a collection without a tag: a plain map or sequence
         if cls is mapping_node and (implicit or tag == _MAP):
             mapping = {}
@@ -266,12 +267,13 @@ def _construct(loader: _Loader, document: yaml.Node) -> Any:
 def _parse_chunk(chunk: str, begin: int, line_offset: int) -> Iterator[Parsed]:
     """The documents of `chunk`, which starts at character `begin` and line `line_offset` of its file."""
     loader = _Loader(chunk)
+    anchors = "&" in chunk
     try:
         while loader.check_node():
             node = loader.get_node()
             mark = node.start_mark
             span = Span(begin + mark.index - mark.column, begin + node.end_mark.index, line_offset + mark.line)
-            yield _construct(loader, node), span, node
+            yield _construct(loader, node, anchors), span, node
     finally:
         loader.dispose()
 
