@@ -15,9 +15,11 @@ the checkpoint before any of them is fenced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -149,6 +151,11 @@ class TeardownEngine:
         self._fenced: dict[str, bool] = {}  # claim UID -> fenced for teardown (True) or allocation (False)
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
+        # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
+        # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
+        self.schedule: Callable[[Teardown], None] = self.advance
+        self._scrubbing: dict[str, threading.Lock] = {}  # GPU or MIG UUID -> held while it is scrubbed
+        self._scrubbing_lock = threading.Lock()
 
     # ---------------------------------------------------------------- entry points
 
@@ -183,7 +190,8 @@ class TeardownEngine:
             source=source,
             allocated_at=allocated_at,
         )
-        self.store.teardowns[claim.uid] = td
+        with self.store.lock:
+            self.store.teardowns[claim.uid] = td
         log.info("claim %s: allocated %s on %s; fencing", claim, ", ".join(d.key for d in records), self.node)
         if td.overlaps:
             log.info(
@@ -192,7 +200,8 @@ class TeardownEngine:
                 ", ".join(o.key for o in td.overlaps),
             )
         self._commit(td)
-        self.advance(td)
+        self.ensure_fenced(td)
+        self.schedule(td)
         return td
 
     def cover_overlaps(self, td: Teardown, slices: Mapping[DeviceKey, SliceDevice]) -> None:
@@ -208,7 +217,8 @@ class TeardownEngine:
         log.warning(
             "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
         )
-        td.overlaps = [*td.overlaps, *added]
+        with self.store.lock:
+            td.overlaps = [*td.overlaps, *added]
         self._save()
         self._fenced.pop(td.claim.uid, None)
         self.ensure_fenced(td)
@@ -222,7 +232,7 @@ class TeardownEngine:
         self._transition(
             td, State.RELEASED, released_at=self.clock(), release_reason=reason, consumers=list(consumers or [])
         )
-        self.advance(td)
+        self.schedule(td)
 
     def rescrub(self, td: Teardown) -> bool:
         """An operator asked for another attempt at a failed teardown."""
@@ -231,7 +241,7 @@ class TeardownEngine:
         log.warning("claim %s: operator asked for another teardown attempt (last failure: %s)", td.claim, td.reason)
         # One more attempt: `attempts` keeps counting, so another failure waits for the operator again.
         self._transition(td, State.DRAINING, **self._drain_fields())
-        self.advance(td)
+        self.schedule(td)
         return True
 
     def advance(self, td: Teardown) -> None:
@@ -270,13 +280,15 @@ class TeardownEngine:
             self.on_transition(td, td.state)
 
     def _transition(self, td: Teardown, state: State, **changes: Any) -> None:
-        for key, value in changes.items():
-            setattr(td, key, value)
-        td.state = state
+        with self.store.lock:  # a checkpoint write sees the whole transition or none of it
+            for key, value in changes.items():
+                setattr(td, key, value)
+            td.state = state
         self._commit(td)
 
     def _forget(self, td: Teardown) -> None:
-        del self.store.teardowns[td.claim.uid]
+        with self.store.lock:
+            del self.store.teardowns[td.claim.uid]
         self._fenced.pop(td.claim.uid, None)
         self._status.pop(td.claim.uid, None)
         self._claims.pop(td.claim.uid, None)
@@ -404,7 +416,7 @@ class TeardownEngine:
 
     def _on_released(self, td: Teardown) -> Outcome:
         # A device that another claim still holds (shared) cannot be drained yet: wait for that claim.
-        for other in self.store.teardowns.values():
+        for other in list(self.store.teardowns.values()):
             if other is not td and other.state == State.ALLOCATED and any(other.holds(d.key) for d in td.devices):
                 return None
         return State.DRAINING, self._drain_fields()
@@ -430,6 +442,15 @@ class TeardownEngine:
             )
         return None  # poll again
 
+    @contextlib.contextmanager
+    def _scrub_of(self, uuid: str) -> Iterator[None]:
+        """One scrub at a time per device (two teardowns of one device: a shared claim). Devices with UUIDs of
+        their own, MIG slices of one GPU among them, are scrubbed side by side, as MIG isolates them."""
+        with self._scrubbing_lock:
+            lock = self._scrubbing.setdefault(uuid, threading.Lock())
+        with lock:
+            yield
+
     def _on_scrubbing(self, td: Teardown) -> Outcome:
         self._announce(td, names.SCRUB_SCRUBBING)
         started = self.clock()
@@ -442,7 +463,8 @@ class TeardownEngine:
                     f"{device.key} has no uuid attribute in this node's ResourceSlices; cannot tell which GPU to scrub",
                 )
             try:
-                result = self.backend.scrub(device.uuid)
+                with self._scrub_of(device.uuid):
+                    result = self.backend.scrub(device.uuid)
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot reach {device.key} ({device.uuid}) to scrub it: {exc}")
             self.metrics.scrub_duration.observe(result.duration_s)
@@ -509,7 +531,7 @@ class TeardownEngine:
 
     def _on_unfenced(self, td: Teardown) -> Outcome:
         # Only reachable through a verified scrub and a signed attestation (see the module docstring).
-        self.fencer.lift(td, self.store.teardowns.values())
+        self.fencer.lift(td, list(self.store.teardowns.values()))
         if td.released_at is not None:
             scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
             self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
@@ -540,7 +562,8 @@ class TeardownEngine:
                 f"(attempt {td.attempts}): {td.reason}; devices stay fenced, {next_step}",
             )
             self.metrics.failures.labels(reason=label_value(category)).inc()
-            td.failure_reported = True
+            with self.store.lock:
+                td.failure_reported = True
             self.store.save()
         if td.retry_at is not None and self.clock() >= td.retry_at:
             log.info("claim %s: retrying teardown (attempt %d)", td.claim, td.attempts + 1)
