@@ -24,6 +24,7 @@ class Lanes:
         self._queued: dict[str, deque[tuple[Task, str | None]]] = {}  # key -> tasks not started, while it runs
         self._tags: dict[str, set[str]] = {}  # key -> tags of its queued tasks
         self._fatal: BaseException | None = None
+        self._closing = False
 
     def submit(self, key: str, task: Task, tag: str | None = None) -> None:
         """Runs `task` after the tasks handed in before for `key`. A tagged task is dropped when one with the
@@ -49,7 +50,7 @@ class Lanes:
         while True:
             with self._lock:
                 lane = self._queued[key]
-                if not lane or self._fatal is not None:
+                if not lane or self._fatal is not None or self._closing:
                     del self._queued[key]
                     del self._tags[key]
                     self._idle.notify_all()
@@ -78,4 +79,8 @@ class Lanes:
             return self._idle.wait_for(lambda: not self._queued, timeout)
 
     def close(self) -> None:
+        """Waits for the tasks under way; those not started are dropped (the next process redoes them from the
+        checkpoint)."""
+        with self._lock:
+            self._closing = True
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -256,6 +256,16 @@ class TeardownEngine:
             state, changes = outcome
             self._transition(td, state, **changes)
 
+    def waiting(self, td: Teardown) -> bool:
+        """Whether `advance` has nothing to do for `td` until something happens to it: allocated, fenced and
+        announced (until its release), or failed and reported with no retry due (until an operator acts)."""
+        uid = td.claim.uid
+        if td.state == State.ALLOCATED:
+            return uid in self._fenced and uid in self._status
+        if td.state == State.FAILED:
+            return td.failure_reported and (td.retry_at is None or self.clock() < td.retry_at)
+        return False
+
     def fenced_devices(self) -> tuple[int, int]:
         """(devices under a fence, devices failed)."""
         fenced = failed = 0

@@ -297,3 +297,17 @@ def test_the_cli_bounds_concurrent_teardowns():
     assert parser.parse_args(["--max-concurrent-teardowns", "0"]).max_concurrent_teardowns == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-concurrent-teardowns", "-1"])
+
+
+def test_closing_waits_for_the_task_under_way_and_starts_no_other():
+    lanes = Lanes(1)
+    gate, ran = threading.Event(), []
+    lanes.submit("a", lambda: (gate.wait(WAIT_S), ran.append("a1")))
+    lanes.submit("a", lambda: ran.append("a2"))
+    lanes.submit("b", lambda: ran.append("b1"))
+    closing = threading.Thread(target=lanes.close)
+    closing.start()
+    time.sleep(0.1)
+    gate.set()
+    closing.join(WAIT_S)
+    assert not closing.is_alive() and ran == ["a1"]
