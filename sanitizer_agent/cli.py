@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-concurrent-teardowns",
         type=_workers,
-        default=8,
+        default=16,
         help="claims torn down at once (drain, scrub, attestation, API writes), each in a thread; fencing new "
         "allocations never waits for them (default 8; 0: one step at a time in the agent's loop)",
     )
@@ -182,7 +182,8 @@ def _run_agent(args: argparse.Namespace) -> int:
     try:
         options = {"root": args.simulated_root} if args.gpu_backend == "simulated" else {}
         backend = open_backend(args.gpu_backend, **options)
-        cluster = KubernetesClusterClient.from_config(args.kubeconfig)
+        # Each lane, the loop and the pod watch may call the API at once.
+        cluster = KubernetesClusterClient.from_config(args.kubeconfig, args.max_concurrent_teardowns + 2)
     except Exception as exc:  # GpuError, OSError, and the kubernetes config loaders' own types
         log.critical("cannot start the agent on node %s: %s", args.node, exc)
         return 1

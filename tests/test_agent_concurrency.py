@@ -293,7 +293,7 @@ def test_the_cli_bounds_concurrent_teardowns():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert parser.parse_args([]).max_concurrent_teardowns == 8
+    assert parser.parse_args([]).max_concurrent_teardowns == 16
     assert parser.parse_args(["--max-concurrent-teardowns", "0"]).max_concurrent_teardowns == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-concurrent-teardowns", "-1"])
@@ -311,3 +311,24 @@ def test_closing_waits_for_the_task_under_way_and_starts_no_other():
     gate.set()
     closing.join(WAIT_S)
     assert not closing.is_alive() and ran == ["a1"]
+
+
+def test_the_api_client_keeps_a_connection_per_concurrent_call(tmp_path):
+    from scrubgate.sanitizer_agent.kube import KubernetesClusterClient
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    client = KubernetesClusterClient.from_config(str(kubeconfig), 300)
+    assert client.api.rest_client.pool_manager.connection_pool_kw["maxsize"] == 300
+    assert client.api.configuration.host == "https://127.0.0.1:1"
