@@ -1,10 +1,13 @@
-# scrubgate: `make demo` and `make test` are all the set-up a fresh machine needs (Python 3.11+, make).
+# scrubgate: `make demo` and `make test` are all the set-up a fresh machine needs (Python 3.11+, Go 1.26+, make).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Kubernetes release the demo and the end-to-end tests run on (devcluster/k8s/go.mod pins the default).
+K8S_VERSION ?=
+export K8S_VERSION
 
-.PHONY: demo test lint check-examples bench clean
+.PHONY: demo test lint check-examples cluster-bins bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +15,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The check over the examples, then the lifecycle story on a local stand-in (devcluster/demo.py).
-demo: check-examples
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl, built once from their Go modules
+# into ~/.cache/scrubgate/k8s/v<version>/bin; a second run does nothing.
+cluster-bins:
+	bash devcluster/k8s/build.sh
+
+# The check over the examples, then the lifecycle story on the real control plane (devcluster/demo.py).
+demo: check-examples cluster-bins
 	$(BIN)/python -m devcluster.demo
 
 check-examples: $(STAMP)
@@ -26,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint cluster-bins
 	$(BIN)/pytest -q
 
 bench: $(STAMP)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +27,10 @@ from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
-from scrubgate.sanitizer_agent.memcluster import InMemoryCluster
 from scrubgate.sanitizer_agent.teardown import Signer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from memcluster import InMemoryCluster
 
 NODE = "bench-node"
 DRIVER = "gpu.nvidia.com"

@@ -1,6 +1,8 @@
 """``make demo``: scrubgate's lifecycle on one machine, told step by step, each step checked.
 
-The API stand-in, the real webhook and the real agent run as separate processes (devcluster.harness).
+The real control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler built from their Go
+modules), a simulated GPU node, the real webhook and the real agent run as separate processes
+(devcluster.harness).
 A tenant's Job gets a GPU and writes a canary into its memory; the agent fences, scrubs, attests and
 releases the device; the next tenant gets the same device and finds nothing. Then six things a tenant
 must not do are each rejected with their rule, and the audit log that recorded them is verified.
@@ -130,9 +132,7 @@ class Demo:
             f"scrubgate check {manifest} exited {check.returncode}: {check.stdout}{check.stderr}",
         )
         c.resource(TENANT_A).create_namespaced_resource_claim_template(NS_A, workloads.claim_template("one-gpu"))
-        # The stand-in serves no Jobs: the demo plays the Job controller and creates the Job's pod.
-        pod = c.core(TENANT_A).create_namespaced_pod(NS_A, workloads.job_pod(job))
-        self.job_pod = pod.metadata.name
+        self.job_pod = c.create_job(TENANT_A, job)
         wait_for(
             lambda: (c.pod(NS_A, self.job_pod) or {}).get("status", {}).get("phase") == "Running",
             WAIT_S,
@@ -422,14 +422,24 @@ def main(argv: list[str] | None = None) -> int:
     story = Story()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(args.workdir, gpus=2)
-    print(f"scrubgate demo: API stand-in, webhook and agent as separate processes in {cluster.paths.root}", flush=True)
+    try:
+        cluster = Cluster(args.workdir, gpus=2)
+    except HarnessError as exc:
+        print(f"scrubgate demo: {exc}", file=sys.stderr)
+        return 1
+    print(
+        "scrubgate demo: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, a simulated GPU node, "
+        f"the webhook and the agent as separate processes in {cluster.paths.root}",
+        flush=True,
+    )
     try:
         with cluster.start():
+            version = cluster.server_version()
             print(
-                f"ready in {time.monotonic() - started:.1f}s: API stand-in {cluster.url}; webhook "
-                f"https://127.0.0.1:{cluster.webhook_port} behind the manifests' webhook configurations; "
-                f"agent on node {cluster.node} with {len(cluster.gpus())} simulated GPUs",
+                f"ready in {time.monotonic() - started:.1f}s: kube-apiserver {cluster.url} reports gitVersion "
+                f"{version.get('gitVersion')}; webhook https://127.0.0.1:{cluster.webhook_port} behind the "
+                f"manifests' webhook configurations; agent on node {cluster.node} with {len(cluster.gpus())} "
+                "simulated GPUs",
                 flush=True,
             )
             play(cluster, story)

@@ -1,11 +1,13 @@
-"""An NVIDIA-like DRA driver over the simulated GPU backend: it publishes one ResourceSlice per node
-(driver ``gpu.nvidia.com``, pool = node name) and prepares/unprepares claims for the kubelet.
+"""An NVIDIA-like DRA driver over the simulated GPU backend, as a client of the real API server: it publishes
+the node's devices as ResourceSlices (driver ``gpu.nvidia.com``, pool = node name) and prepares/unprepares
+claims for the kubelet stand-in.
 
-Devices are named as NVIDIA's driver names them: ``gpu-<index>`` for full GPUs and
-``gpu-<index>-mig-<n>`` for MIG slices, with attributes ``type`` (``gpu``/``mig``), ``uuid``,
-``parentUUID`` (MIG), ``index``, ``productName`` and a ``memory`` capacity. A GPU and its MIG
-slices consume the same ``memorySlice<n>`` counters, so the scheduler never hands out a GPU and
-one of its slices at once.
+Devices are named as NVIDIA's driver names them: ``gpu-<index>`` for full GPUs and ``gpu-<index>-mig-<n>``
+for MIG slices, with attributes ``type`` (``gpu``/``mig``), ``uuid``, ``parentUUID`` (MIG), ``index``,
+``productName`` and a ``memory`` capacity. A GPU and its MIG slices consume the same ``memory-slice-<n>`` (NVIDIA's names)
+counters, so the scheduler never hands out a GPU and one of its slices at once; the counter sets go in a
+ResourceSlice of their own in the same pool from 1.35 (which refuses ``sharedCounters`` beside ``devices``),
+beside the devices on 1.34 (which wants them there).
 """
 
 from __future__ import annotations
@@ -15,58 +17,70 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
+from kubernetes.client.exceptions import ApiException
 from scrubgate.sanitizer_agent.gpu.base import GpuBackend, GpuDevice
 
-from .api import Api
-from .auth import service_account
-from .resources import DEVICE_CLASSES, SLICES
-from .worker import Worker
+from .rest import Rest, status_message
 
 log = logging.getLogger("devcluster.driver")
 
 DRIVER = "gpu.nvidia.com"
-DRIVER_USER = service_account("nvidia-dra-driver", "kubelet-plugin")
+DRIVER_NAMESPACE = "nvidia-dra-driver-gpu"
+DRIVER_SERVICE_ACCOUNT = "nvidia-dra-driver-gpu-kubelet-plugin"
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+# What the driver's ServiceAccount may do (NVIDIA's chart grants its kubelet plugin about as much).
+DRIVER_RULES = [
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceslices"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+]
 
 
 def device_classes() -> list[dict]:
-    """The DeviceClasses NVIDIA's driver installs, in storage form."""
-    return [_device_class("gpu.nvidia.com", "gpu"), _device_class("mig.nvidia.com", "mig")]
+    """The DeviceClasses NVIDIA's chart installs for GPUs and MIG slices (``gpu.nvidia.com`` also backs the
+    extended resource ``nvidia.com/gpu``, as the chart sets it)."""
+    return [
+        _device_class("gpu.nvidia.com", "gpu", extended_resource="nvidia.com/gpu"),
+        _device_class("mig.nvidia.com", "mig"),
+    ]
 
 
-def _device_class(name: str, device_type: str) -> dict:
+def _device_class(name: str, device_type: str, extended_resource: str | None = None) -> dict:
     expression = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "{device_type}"'
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": name},
-        "spec": {"selectors": [{"cel": {"expression": expression}}]},
-    }
+    spec: dict = {"selectors": [{"cel": {"expression": expression}}]}
+    if extended_resource:
+        spec["extendedResourceName"] = extended_resource
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name}, "spec": spec}
 
 
 def device_names(devices: Sequence[GpuDevice]) -> dict[str, str]:
     """uuid -> device name in the slice."""
     gpus = {d.uuid: d for d in devices if d.parent_uuid is None}
     names = {uuid: f"gpu-{d.index}" for uuid, d in gpus.items()}
-    children: dict[str, list[GpuDevice]] = defaultdict(list)
     for d in devices:
         if d.parent_uuid is not None:
-            children[d.parent_uuid].append(d)
-    for parent, migs in children.items():
-        prefix = names.get(parent, f"gpu-{parent}")
-        for mig in migs:
             # The MIG index, not a position: a slice that drops out must not rename the others.
-            names[mig.uuid] = f"{prefix}-mig-{mig.index}"
+            names[d.uuid] = f"{names.get(d.parent_uuid, f'gpu-{d.parent_uuid}')}-mig-{d.index}"
     return names
 
 
-def resource_slice(node: str, devices: Sequence[GpuDevice], generation: int = 1) -> dict:
+def resource_slices(
+    node: str, devices: Sequence[GpuDevice], generation: int = 1, *, counters_apart: bool = True
+) -> list[dict]:
+    """The pool of ``node``: one slice with the devices and, when there are MIG slices, the counter sets they
+    share with their parent GPU: in a slice of their own (``counters_apart``, Kubernetes 1.35+, which refuses
+    both in one slice), or beside the devices (1.34, which wants a counter set in the slice that uses it)."""
     names = device_names(devices)
     children: dict[str, list[GpuDevice]] = defaultdict(list)
     for d in devices:
         if d.parent_uuid is not None:
             children[d.parent_uuid].append(d)
     slice_devices: list[dict] = []
-    shared: list[dict] = []
+    counter_sets: list[dict] = []
     for d in sorted(devices, key=lambda x: names[x.uuid]):
         attributes: dict = {
             "type": {"string": "mig" if d.is_mig else "gpu"},
@@ -81,62 +95,82 @@ def resource_slice(node: str, devices: Sequence[GpuDevice], generation: int = 1)
         }
         if d.is_mig:
             attributes["parentUUID"] = {"string": d.parent_uuid}
-            parent_name = names.get(d.parent_uuid or "", "")
+            counter_set = f"{names.get(d.parent_uuid or '', '')}-counter-set"
             entry["consumesCounters"] = [
-                {"counterSet": f"{parent_name}-counters", "counters": {f"memorySlice{d.index}": {"value": "1"}}}
+                {"counterSet": counter_set, "counters": {f"memory-slice-{d.index}": {"value": "1"}}}
             ]
         elif children.get(d.uuid):
-            counters = {f"memorySlice{m.index}": {"value": "1"} for m in children[d.uuid]}
-            shared.append({"name": f"{names[d.uuid]}-counters", "counters": counters})
-            entry["consumesCounters"] = [{"counterSet": f"{names[d.uuid]}-counters", "counters": counters}]
+            counters = {f"memory-slice-{m.index}": {"value": "1"} for m in children[d.uuid]}
+            counter_sets.append({"name": f"{names[d.uuid]}-counter-set", "counters": counters})
+            entry["consumesCounters"] = [{"counterSet": f"{names[d.uuid]}-counter-set", "counters": counters}]
         slice_devices.append(entry)
-    spec: dict = {
-        "driver": DRIVER,
-        "nodeName": node,
-        "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": slice_devices,
-    }
-    if shared:
-        spec["sharedCounters"] = shared
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-{DRIVER}"},
-        "spec": spec,
-    }
+    apart = bool(counter_sets) and counters_apart
+    pool = {"name": node, "generation": generation, "resourceSliceCount": 2 if apart else 1}
+    spec: dict = {"driver": DRIVER, "nodeName": node, "pool": pool, "devices": slice_devices}
+    if counter_sets and not apart:
+        spec["sharedCounters"] = counter_sets
+    slices = [_slice(f"{node}-{DRIVER}", spec)]
+    if apart:
+        counters = {"driver": DRIVER, "nodeName": node, "pool": pool, "sharedCounters": counter_sets}
+        slices.append(_slice(f"{node}-{DRIVER}-counters", counters))
+    return slices
 
 
-class Driver(Worker):
-    """Publishes the node's slice (and the device classes) and keeps it current; prepares claims."""
+def _slice(name: str, spec: dict) -> dict:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name}, "spec": spec}
 
-    name = "dra-driver"
-    wakes_on_change = False  # what it publishes comes from the GPUs: a look every interval_s
 
-    def __init__(self, api: Api, node: str, backend: GpuBackend, interval_s: float = 2.0) -> None:
-        super().__init__(api, DRIVER_USER, interval_s)
+class Driver:
+    """Keeps the node's slices current (``sync``, called by the node's loop) and prepares claims."""
+
+    def __init__(self, rest: Rest, node: str, backend: GpuBackend) -> None:
+        self.rest = rest
         self.node = node
         self.backend = backend
         self._lock = threading.Lock()
         self._prepared: dict[str, list[str]] = {}  # claim uid -> device UUIDs
+        self._counters_apart: bool | None = None
+
+    def _slices(self, generation: int) -> list[dict]:
+        if self._counters_apart is None:
+            version = self.rest.request("GET", "/version")
+            self._counters_apart = (int(version["major"]), int(version["minor"].rstrip("+"))) >= (1, 35)
+        return resource_slices(self.node, self.backend.list_devices(), generation, counters_apart=self._counters_apart)
 
     def sync(self) -> None:
-        for device_class in device_classes():
-            if (
-                self.api.store.get((DEVICE_CLASSES.group, DEVICE_CLASSES.plural, "", device_class["metadata"]["name"]))
-                is None
-            ):
-                self.create(DEVICE_CLASSES, device_class)
-        devices = self.backend.list_devices()
-        current = self.api.store.get((SLICES.group, SLICES.plural, "", f"{self.node}-{DRIVER}"))
-        if current is None:
-            self.create(SLICES, resource_slice(self.node, devices))
+        current = {
+            s["metadata"]["name"]: s
+            for s in self.rest.request("GET", SLICES_PATH, query=[("fieldSelector", f"spec.nodeName={self.node}")]).get(
+                "items"
+            )
+            or []
+        }
+        generation = max((int(s["spec"]["pool"].get("generation") or 1) for s in current.values()), default=1)
+        wanted = self._slices(generation)
+        if (
+            current
+            and all(
+                w["metadata"]["name"] in current and current[w["metadata"]["name"]]["spec"] == w["spec"] for w in wanted
+            )
+            and len(current) == len(wanted)
+        ):
             return
-        generation = int(current["spec"]["pool"].get("generation") or 1)
-        wanted = resource_slice(self.node, devices, generation)
-        if wanted["spec"] != current["spec"]:
-            wanted = resource_slice(self.node, devices, generation + 1)
-            current["spec"] = wanted["spec"]
-            self.update(SLICES, current)
+        if current:  # a new generation replaces the whole pool
+            wanted = self._slices(generation + 1)
+        for obj in wanted:
+            name = obj["metadata"]["name"]
+            try:
+                if name in current:
+                    obj["metadata"]["resourceVersion"] = current[name]["metadata"]["resourceVersion"]
+                    self.rest.request("PUT", f"{SLICES_PATH}/{name}", obj)
+                else:
+                    self.rest.request("POST", SLICES_PATH, obj)
+            except ApiException as exc:
+                log.warning(
+                    "driver on %s: publishing ResourceSlice %s failed: %s", self.node, name, status_message(exc)
+                )
+        for name in set(current) - {w["metadata"]["name"] for w in wanted}:
+            self.rest.request("DELETE", f"{SLICES_PATH}/{name}")
 
     def uuids(self, results: list[dict]) -> list[str]:
         """Device UUIDs of allocation results that name this node's pool."""

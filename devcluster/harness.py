@@ -1,10 +1,13 @@
 """A whole scrubgate installation on one machine, for the end-to-end tests and ``make demo``.
 
-Three separate processes, as on a real cluster: the API stand-in (``python -m devcluster.apiserver``
-with the simulated control plane and one simulated GPU node), the real webhook (``scrubgate webhook``,
-HTTPS with a certificate from ``scrubgate.certs``) and the real node agent (``scrubgate agent``, the
-official ``kubernetes`` client, the simulated GPU backend). The webhook configurations are the
-manifests' own, rendered by kustomize, with the caBundle injected. Everything binds to 127.0.0.1 on
+Separate processes, as on a real cluster: the real control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler; devcluster/controlplane.py), one simulated GPU node (the kubelet
+stand-in and an NVIDIA-like DRA driver over simulated GPUs; devcluster/node.py), the real webhook
+(``scrubgate webhook``, HTTPS with a certificate from ``scrubgate.certs``) behind a stand-in of its Service
+(devcluster/serviceproxy.py) and the real node agent (``scrubgate agent``, the official ``kubernetes``
+client, a ServiceAccount token, the simulated GPU backend). scrubgate is installed from the kustomize base as
+the built kubectl renders it: its namespace, ServiceAccounts, RBAC and webhook configurations (caBundle
+injected; ``service:`` replaced by ``url:`` for the host process). Everything binds to 127.0.0.1 on
 ephemeral ports and lives in one work directory; processes write their logs there.
 
     with Cluster(gpus=2).start() as cluster:
@@ -50,10 +53,16 @@ from scrubgate.policies.attestation import public_key_pem
 from scrubgate.policies.config import DEFAULT_POLICY_PATH, parse_policy
 from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 
+from . import driver
+from .controlplane import ControlPlane, StaticUser, binaries
 from .observer import Observed, Observer, invariant_violations
+from .pki import write_kubeconfig
 from .processes import REPO_ROOT, HarnessError, ManagedProcess, free_port, wait_for
+from .rest import Rest
+from .serviceproxy import applied_file
 
 __all__ = [
+    "CLAIM_CONTROLLER_USER",
     "Cluster",
     "HarnessError",
     "ManagedProcess",
@@ -63,7 +72,6 @@ __all__ = [
     "denial",
     "invariant_violations",
     "render_webhook_configurations",
-    "render_without_kustomize",
     "wait_for",
 ]
 
@@ -73,65 +81,39 @@ MANIFESTS = REPO_ROOT / "manifests"
 NODE = "gpu-node-1"
 KEY_ID = "scrubgate-agent-devcluster"
 AGENT_USER = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
+# kube-controller-manager runs with --use-service-account-credentials: each controller is its own account.
+CLAIM_CONTROLLER_USER = "system:serviceaccount:kube-system:resource-claim-controller"
 WEBHOOK_HOST = f"{names.WEBHOOK_SERVICE}.{names.SYSTEM_NAMESPACE}.svc"
-WEBHOOK_CONFIG_PLURALS = {
-    "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
-    "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
-}
 
 
 # ---------------------------------------------------------------------- manifests
 
 
-def render_webhook_configurations(manifests: Path = MANIFESTS) -> list[dict[str, Any]]:
-    """The webhook configurations of the kustomize base, as `kubectl kustomize` renders them; on a machine
-    without kubectl (``make demo`` needs only Python and make), `render_without_kustomize` builds the same."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return render_without_kustomize(manifests)
+def render_base(manifests: Path = MANIFESTS, kubectl: str | None = None) -> list[dict[str, Any]]:
+    """The kustomize base as the built `kubectl kustomize` renders it."""
+    kubectl = kubectl or binaries()["kubectl"]
     result = subprocess.run(
         [kubectl, "kustomize", str(manifests)], capture_output=True, text=True, timeout=60, check=False
     )
     if result.returncode != 0:
         raise HarnessError(f"kubectl kustomize {manifests} failed:\n{result.stderr}")
-    return [doc for doc in yaml.safe_load_all(result.stdout) if is_webhook_configuration(doc)]
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def render_without_kustomize(manifests: Path = MANIFESTS) -> list[dict[str, Any]]:
-    """What kustomization.yaml does to webhook-configurations.yaml, read from kustomization.yaml itself:
-    its ``labels`` pairs go onto each configuration, and each ``replacements`` entry copies a top-level
-    field of the WebhookSettings document into ``webhooks.*.<field>`` of the selected configurations.
-    The namespace transformer changes nothing here (the webhooks already name scrubgate-system).
-    Anything else in those transformers is refused rather than approximated; the lifecycle tests check
-    that the result equals kubectl's render."""
-    kustomization = yaml.safe_load((manifests / "kustomization.yaml").read_text())
-    docs = [doc for doc in yaml.safe_load_all((manifests / "webhook-configurations.yaml").read_text()) if doc]
-    settings = {
-        (doc["kind"], doc["metadata"]["name"]): doc
-        for doc in yaml.safe_load_all((manifests / "webhook-settings.yaml").read_text())
-        if doc
-    }
-    for entry in kustomization.get("labels") or []:
-        for doc in docs:
-            doc.setdefault("metadata", {}).setdefault("labels", {}).update(entry.get("pairs") or {})
-    for replacement in kustomization.get("replacements") or []:
-        source = replacement["source"]
-        if "." in source["fieldPath"] or (source["kind"], source["name"]) not in settings:
-            raise HarnessError(f"replacement source {source} is beyond render_without_kustomize; install kubectl")
-        value = settings[(source["kind"], source["name"])][source["fieldPath"]]
-        for target in replacement["targets"]:
-            select = target["select"]
-            for path in target["fieldPaths"]:
-                parts = path.split(".")
-                if len(parts) != 3 or parts[:2] != ["webhooks", "*"]:
-                    raise HarnessError(
-                        f"replacement target {path!r} is beyond render_without_kustomize; install kubectl"
-                    )
-                for doc in docs:
-                    if doc["kind"] == select["kind"] and doc["metadata"]["name"] == select["name"]:
-                        for webhook in doc["webhooks"]:
-                            webhook[parts[2]] = copy.deepcopy(value)
-    return docs
+def render_webhook_configurations(manifests: Path = MANIFESTS) -> list[dict[str, Any]]:
+    """The webhook configurations of the kustomize base."""
+    return [doc for doc in render_base(manifests) if is_webhook_configuration(doc)]
+
+
+def webhook_url_overlay(docs: list[dict[str, Any]], port: int) -> list[dict[str, Any]]:
+    """The local overlay: each webhook's ``service:`` becomes ``url: https://127.0.0.1:<port><path>`` (the
+    Service's stand-in, devcluster/serviceproxy.py), since no cluster network reaches the host process."""
+    out = copy.deepcopy(docs)
+    for doc in out:
+        for webhook in doc.get("webhooks") or []:
+            service = webhook["clientConfig"].pop("service")
+            webhook["clientConfig"]["url"] = f"https://127.0.0.1:{port}{service.get('path') or '/'}"
+    return out
 
 
 def policy_with_key(public_pem: str, kid: str = KEY_ID, base: Path = DEFAULT_POLICY_PATH) -> dict[str, Any]:
@@ -145,7 +127,7 @@ def policy_with_key(public_pem: str, kid: str = KEY_ID, base: Path = DEFAULT_POL
 # ---------------------------------------------------------------------- users
 
 
-@dataclass(frozen=True)
+@dataclass
 class User:
     name: str
     token: str
@@ -154,11 +136,6 @@ class User:
 
 def _flags(options: dict[str, object]) -> list[str]:
     return [str(item) for option, value in options.items() for item in (option, value)]
-
-
-def _token_line(user: User) -> str:
-    groups = ",".join(user.groups)
-    return f'{user.token},{user.name},uid-{user.name.replace(":", "-")},"{groups}"'
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -171,12 +148,12 @@ class Paths:
     certs: Path = field(init=False)
     signing_key: Path = field(init=False)
     policy: Path = field(init=False)
-    tokens: Path = field(init=False)
-    services: Path = field(init=False)
-    api_state: Path = field(init=False)
-    api_port: Path = field(init=False)
+    endpoints: Path = field(init=False)
+    proxy_port: Path = field(init=False)
     checkpoint: Path = field(init=False)
     kubeconfig: Path = field(init=False)
+    node_kubeconfig: Path = field(init=False)
+    driver_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
     webhook_configurations: Path = field(init=False)
     logs: Path = field(init=False)
@@ -187,23 +164,30 @@ class Paths:
         self.certs = r / "certs"
         self.signing_key = r / "attestation" / "ed25519.pem"
         self.policy = r / "policy.yaml"
-        self.tokens = r / "tokens.csv"
-        self.services = r / "services.json"
-        self.api_state = r / "api"
-        self.api_port = r / "api.port"
+        self.endpoints = r / "webhook-endpoints.json"
+        self.proxy_port = r / "webhook-service.port"
         self.checkpoint = r / "agent" / "checkpoint.json"
         self.kubeconfig = r / "agent" / "kubeconfig.yaml"
+        self.node_kubeconfig = r / "node" / "kubeconfig.yaml"
+        self.driver_kubeconfig = r / "node" / "driver-kubeconfig.yaml"
         self.audit_log = r / "audit" / "audit.jsonl"
         self.webhook_configurations = r / "webhook-configurations.yaml"
         self.logs = r / "logs"
+
+
+# What the harness installs from the kustomize base: scrubgate's namespace, identities and RBAC, and the
+# webhook configurations (overlaid). The webhook and the agent run as host processes instead of the base's
+# Deployment and DaemonSet.
+INSTALLED_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+TOKEN_SECONDS = 24 * 3600
 
 
 class Cluster:
     """The installation. ``start()`` brings it up (and stops what it started if that fails), ``stop()`` /
     the context manager takes it down and removes the work directory unless ``keep`` (or it was given).
 
-    Users (bearer tokens in the stand-in's token file): ``admin`` (system:masters), ``agent`` (the agent's
-    ServiceAccount) and one per name in ``tenants`` (no special groups).
+    Users: ``admin`` (system:masters) and one per name in ``tenants`` (static tokens; each may `edit` in the
+    namespaces of ``create_namespace``); ``agent``, the agent's ServiceAccount (a TokenRequest token).
     """
 
     def __init__(
@@ -215,11 +199,10 @@ class Cluster:
         mig_per_gpu: int = 0,
         memory_bytes: int = 1 << 20,
         tenants: Iterable[str] = ("alice", "bob"),
-        resource_versions: Iterable[str] | None = None,
-        taint_rule_versions: Iterable[str] | None = None,
         agent_args: Iterable[str] = ("--resync", "5", "--retry-backoff", "1", "--drain-timeout", "10"),
         keep: bool = False,
-        ready_timeout: float = 60.0,
+        ready_timeout: float = 120.0,
+        version: str | None = None,
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -227,52 +210,71 @@ class Cluster:
         self.gpu_dir = self.paths.gpus / node
         self._inventory = {"gpus": gpus, "mig_per_gpu": mig_per_gpu, "memory_bytes": memory_bytes}
         self.ready_timeout = ready_timeout
-        self.users: dict[str, User] = {
-            "admin": User("kubernetes-admin", secrets.token_hex(16), ("system:masters",)),
-            "agent": User(
-                AGENT_USER,
-                secrets.token_hex(16),
-                ("system:serviceaccounts", f"system:serviceaccounts:{names.SYSTEM_NAMESPACE}"),
-            ),
-        }
-        for name in tenants:
+        self.users: dict[str, User] = {"admin": User("kubernetes-admin", secrets.token_hex(16), ("system:masters",))}
+        self.tenants = list(tenants)
+        for name in self.tenants:
             self.users[name] = User(name, secrets.token_hex(16))
+        self.users["agent"] = User(AGENT_USER, "")  # its token comes from the TokenRequest API at start
         self.key_id = KEY_ID
         self._signing_key = Ed25519PrivateKey.generate()
         self.public_keys: dict[str, Ed25519PublicKey] = {KEY_ID: self._signing_key.public_key()}
-        self.api_port = 0
         self.webhook_port = free_port()
         self.agent_metrics_port = free_port()
+        self.service_port = 0
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self._env = env
-        self._extra_api_args: list[str] = []  # an older or partial cluster (see apiserver --help)
-        if resource_versions is not None:
-            self._extra_api_args += ["--resource-versions", ",".join(resource_versions) or "none"]
-        if taint_rule_versions is not None:
-            self._extra_api_args += ["--taint-rule-versions", ",".join(taint_rule_versions) or "none"]
+        self.control_plane = ControlPlane(
+            self.paths.root / "control-plane",
+            users=[StaticUser(u.name, u.token, u.groups) for k, u in self.users.items() if k != "agent"],
+            version=version,
+            ready_timeout=ready_timeout,
+        )
         self._agent_args = list(agent_args)
-        self.api = ManagedProcess("API stand-in", [], self.paths.logs / "apiserver.log", env)
+        self.api = self.control_plane.apiserver
+        self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
+        self.node_process = ManagedProcess("node", self._node_argv(), self.paths.logs / "node.log", env)
         self.webhook = ManagedProcess("webhook", self._webhook_argv(), self.paths.logs / "webhook.log", env)
         self.agent = ManagedProcess("agent", self._agent_argv(), self.paths.logs / "agent.log", env)
-        self.observer = Observer(lambda: self.api_port, self.users["admin"].token)
+        self.observer = Observer(lambda: self.control_plane.port, self.users["admin"].token, self._ca_file)
         self._clients: dict[str, k8s.ApiClient] = {}
         self._started = False
+
+    @property
+    def _ca_file(self) -> Path:
+        return self.control_plane.pki.ca_cert
+
+    @property
+    def version(self) -> str:
+        return self.control_plane.version
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Cluster:
         try:
             self._prepare()
-            self.start_api()
+            self.control_plane.start()
+            self.service.start()
+            self.service_port = int(
+                wait_for(
+                    lambda: (
+                        (self.paths.proxy_port.is_file() and self.paths.proxy_port.read_text())
+                        or self.service.check_alive()
+                    ),
+                    self.ready_timeout,
+                    "the webhook Service's port",
+                )
+            )
+            self._install_node()
             self.webhook.start()
+            self.wait_webhook_ready()
             self._install()
             self.agent.start()
-            self.wait_webhook_ready()
             self.wait_agent_ready()
             wait_for(self._slice_published, self.ready_timeout, f"the ResourceSlice of node {self.node}")
             self.observer.start()
         except BaseException:
+            print(self.diagnostics(), file=sys.stderr)
             self.stop()
             raise
         self._started = True
@@ -280,11 +282,14 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Stops the agent, the webhook and the API stand-in (which stops its containers), in that order."""
+        """Stops the agent, the webhook, the node (and its containers), then the control plane."""
         atexit.unregister(self.stop)
         self.observer.stop()
-        for process in (self.agent, self.webhook, self.api):
+        if self.keep and self.paths.root.is_dir():
+            self.observer.dump(self.paths.root / "observed.jsonl")
+        for process in (self.agent, self.webhook, self.node_process, self.service):
             process.stop()
+        self.control_plane.stop()
         for api_client in self._clients.values():
             api_client.close()
         self._clients.clear()
@@ -299,23 +304,35 @@ class Cluster:
             print(self.diagnostics(), file=sys.stderr)
         self.stop()
 
+    @property
+    def processes(self) -> tuple[ManagedProcess, ...]:
+        return (*self.control_plane.processes, self.service, self.node_process, self.webhook, self.agent)
+
     def diagnostics(self, lines: int = 30) -> str:
         """The last lines of every process log, for a failure message."""
         return "\n".join(
             f"===== {p.name} ({p.log_path}, {'running' if p.running else f'exit {p.returncode}'}) =====\n"
             f"{p.tail(lines)}"
-            for p in (self.api, self.webhook, self.agent)
+            for p in self.processes
         )
 
     # ------------------------------------------------------------------ set-up
 
     def _prepare(self) -> None:
         p = self.paths
-        for directory in (p.root, p.gpus, p.logs, p.signing_key.parent, p.checkpoint.parent, p.audit_log.parent):
+        for directory in (
+            p.root,
+            p.gpus,
+            p.logs,
+            p.signing_key.parent,
+            p.checkpoint.parent,
+            p.audit_log.parent,
+            p.node_kubeconfig.parent,
+        ):
             directory.mkdir(parents=True, exist_ok=True)
         simulated.create_inventory(self.gpu_dir, **self._inventory)
         ca = generate_ca()
-        write_tls_dir(p.certs, ca, issue_serving_cert(ca, service_sans()))
+        write_tls_dir(p.certs, ca, issue_serving_cert(ca, [*service_sans(), "127.0.0.1"]))
         p.signing_key.write_bytes(
             self._signing_key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -323,7 +340,6 @@ class Cluster:
         )
         p.signing_key.chmod(0o600)
         self.write_policy(policy_with_key(public_key_pem(self._signing_key)))
-        p.tokens.write_text("".join(_token_line(u) + "\n" for u in self.users.values()))
         self.set_webhook_port(self.webhook_port)
 
     def write_policy(self, policy: dict[str, Any]) -> None:
@@ -335,32 +351,101 @@ class Cluster:
     def policy(self) -> dict[str, Any]:
         return yaml.safe_load(self.paths.policy.read_text())
 
-    def _install(self) -> None:
-        """The system namespace, then the manifests' webhook configurations with the caBundle."""
-        self.request("POST", "/api/v1/namespaces", {"metadata": {"name": names.SYSTEM_NAMESPACE}})
-        docs = inject_ca_bundle(render_webhook_configurations(), (self.paths.certs / "ca.crt").read_bytes())
-        self.paths.webhook_configurations.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-        for doc in docs:
-            self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{WEBHOOK_CONFIG_PLURALS[doc['kind']]}", doc)
+    def _install_node(self) -> None:
+        """What is there before scrubgate: NVIDIA's DeviceClasses and driver identity, and the GPU node."""
+        for device_class in driver.device_classes():
+            self.apply(device_class)
+        self._install_driver_identity()
+        node = self.control_plane.pki.client(
+            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
+        )
+        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
+        self.node_process.start()
 
-    def _api_argv(self) -> list[str]:
-        p = self.paths
-        options = {
-            "--port": self.api_port,
-            "--port-file": p.api_port,
-            "--state-dir": p.api_state,
-            "--token-file": p.tokens,
-            "--services-file": p.services,
-            "--node": f"{self.node}={self.gpu_dir}",
+    def _install(self) -> None:
+        """scrubgate as the kustomize base installs it: its identities and RBAC, then, once the webhook serves,
+        the webhook configurations (with the caBundle and the local overlay); and the agent's credentials."""
+        base = render_base(kubectl=self.control_plane.bins["kubectl"])
+        for doc in base:
+            if doc["kind"] in INSTALLED_KINDS:
+                self.apply(doc)
+        configurations = inject_ca_bundle(
+            [d for d in base if is_webhook_configuration(d)], (self.paths.certs / "ca.crt").read_bytes()
+        )
+        configurations = webhook_url_overlay(configurations, self.service_port)
+        self.paths.webhook_configurations.write_text(yaml.safe_dump_all(configurations, sort_keys=False))
+        for doc in configurations:
+            self.apply(doc)
+        self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
+        self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
+
+    def _install_driver_identity(self) -> None:
+        ns, sa = driver.DRIVER_NAMESPACE, driver.DRIVER_SERVICE_ACCOUNT
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        self.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}})
+        rbac = "rbac.authorization.k8s.io/v1"
+        self.apply({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": sa}, "rules": driver.DRIVER_RULES})
+        self.apply(
+            {
+                "apiVersion": rbac,
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": sa},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+            }
+        )
+        token = self.service_account_token(ns, sa)
+        self._write_token_kubeconfig(self.paths.driver_kubeconfig, "driver", token)
+
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A token for a ServiceAccount from the TokenRequest API, as a projected token volume gets one."""
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": TOKEN_SECONDS},
         }
+        reply = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token", body)
+        return reply["status"]["token"]
+
+    def _write_token_kubeconfig(self, path: Path, user: str, token: str) -> None:
+        write_kubeconfig(path, self.url, self._ca_file, user, {"token": token})
+
+    def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Create ``doc`` as the admin, or replace it when it exists (kubectl apply's outcome)."""
+        path = object_path(doc)
+        try:
+            return self.request("POST", path.rsplit("/", 1)[0], doc)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        current = self.request("GET", path)
+        doc = {
+            **copy.deepcopy(doc),
+            "metadata": {**doc["metadata"], "resourceVersion": current["metadata"]["resourceVersion"]},
+        }
+        return self.request("PUT", path, doc)
+
+    def _service_argv(self) -> list[str]:
+        p = self.paths
         return [
             sys.executable,
             "-m",
-            "devcluster.apiserver",
-            "--control-plane",
-            *_flags(options),
-            *self._extra_api_args,
+            "devcluster.serviceproxy",
+            "--port-file",
+            str(p.proxy_port),
+            "--endpoints-file",
+            str(p.endpoints),
         ]
+
+    def _node_argv(self) -> list[str]:
+        p = self.paths
+        options = {
+            "--node": self.node,
+            "--gpu-root": self.gpu_dir,
+            "--kubeconfig": p.node_kubeconfig,
+            "--driver-kubeconfig": p.driver_kubeconfig,
+        }
+        return [sys.executable, "-m", "devcluster.node", *_flags(options)]
 
     def _webhook_argv(self) -> list[str]:
         p = self.paths
@@ -390,50 +475,27 @@ class Cluster:
         }
         return [sys.executable, "-m", "scrubgate.cli", "agent", *_flags(options), *self._agent_args]
 
-    def _write_kubeconfig(self) -> None:
-        kubeconfig = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "devcluster", "cluster": {"server": self.url}}],
-            "users": [{"name": "agent", "user": {"token": self.users["agent"].token}}],
-            "contexts": [{"name": "agent", "context": {"cluster": "devcluster", "user": "agent"}}],
-            "current-context": "agent",
-        }
-        self.paths.kubeconfig.write_text(yaml.safe_dump(kubeconfig))
-        self.paths.kubeconfig.chmod(0o600)
-
     # ------------------------------------------------------------------ the processes
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return self.control_plane.url
 
     def start_api(self) -> None:
-        """Start the stand-in (again, on the same port and state after the first start) and wait for it."""
-        self.paths.api_port.unlink(missing_ok=True)
-        self.api.argv = self._api_argv()
-        self.api.start()
-        port = wait_for(lambda: self._read_port() or self.api.check_alive(), self.ready_timeout, "the API port file")
-        self.api_port = int(port)
-        self._write_kubeconfig()
-        wait_for(lambda: self._api_answers() or self.api.check_alive(), self.ready_timeout, "the API stand-in")
+        """Start kube-apiserver again (same port, same etcd) and wait until it is ready."""
+        self.control_plane.start_apiserver()
+
+    def stop_api(self, crash: bool = False) -> None:
+        """kube-apiserver down: kill -9 with ``crash``, else SIGTERM; returns once it no longer answers."""
+        self.control_plane.stop_apiserver(crash)
 
     def restart_api(self, crash: bool = False) -> None:
-        """Stop (or kill -9 with ``crash``) and start the stand-in; its objects survive in the state dir."""
-        self.api.kill() if crash else self.api.stop()
-        self.start_api()
+        """Stop (or kill -9 with ``crash``) and start kube-apiserver; its objects survive in etcd."""
+        self.control_plane.restart_apiserver(crash)
 
-    def _read_port(self) -> str:
-        with contextlib.suppress(FileNotFoundError):
-            return self.paths.api_port.read_text().strip()
-        return ""
-
-    def _api_answers(self) -> bool:
-        try:
-            self.request("GET", "/version")
-        except (OSError, ApiException, HarnessError):
-            return False
-        return True
+    def server_version(self) -> dict[str, str]:
+        """What the API server's /version reports."""
+        return self.control_plane.server_version()
 
     def wait_webhook_ready(self, timeout: float | None = None) -> None:
         wait_for(
@@ -485,23 +547,40 @@ class Cluster:
             conn.close()
 
     def set_webhook_port(self, port: int | None) -> None:
-        """Where the stand-in dials the webhook Service; None: no endpoints (the webhook unreachable)."""
-        mapping = {} if port is None else {f"{names.SYSTEM_NAMESPACE}/{names.WEBHOOK_SERVICE}": port}
-        tmp = self.paths.services.with_suffix(".tmp")
-        tmp.write_text(json.dumps(mapping))
-        tmp.replace(self.paths.services)
+        """The webhook Service's endpoint; None: no endpoints (the webhook unreachable for the API server).
+        Returns once the Service stand-in has applied it (and cut connections to the old endpoint)."""
+        tmp = self.paths.endpoints.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": port}))
+        tmp.replace(self.paths.endpoints)
+        if self.service.running:
+            applied = applied_file(self.paths.endpoints)
+            wait_for(
+                lambda: applied.is_file() and json.loads(applied.read_text() or "{}").get("port", -1) == port,
+                self.ready_timeout,
+                f"the webhook Service's endpoint set to {port}",
+            )
 
     def rotate_webhook_cert(self) -> None:
         """A new serving certificate from the same CA, written in place (the webhook reloads it)."""
-        rotate_serving_cert(self.paths.certs, service_sans())
+        rotate_serving_cert(self.paths.certs, [*service_sans(), "127.0.0.1"])
 
     def _slice_published(self) -> bool:
-        body = self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{self._served_version()}/resourceslices")
+        body = self.request("GET", f"/apis/{names.RESOURCE_GROUP}/v1/resourceslices")
         return any((s.get("spec") or {}).get("nodeName") == self.node for s in body.get("items") or [])
 
-    def _served_version(self) -> str:
+    def served_versions(self) -> list[str]:
+        """The resource.k8s.io versions that serve ResourceClaims, newest first."""
         groups = self.request("GET", f"/apis/{names.RESOURCE_GROUP}")
-        return groups["preferredVersion"]["version"]
+        served = {v["version"] for v in groups["versions"]}
+        return [
+            v
+            for v in names.RESOURCE_VERSIONS
+            if v in served
+            and any(
+                r["name"] == "resourceclaims"
+                for r in self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{v}")["resources"]
+            )
+        ]
 
     # ------------------------------------------------------------------ clients
 
@@ -513,10 +592,9 @@ class Cluster:
                 api_key={"authorization": self.users[user].token},
                 api_key_prefix={"authorization": "Bearer"},
             )
+            configuration.ssl_ca_cert = str(self._ca_file)
             self._clients[user] = k8s.ApiClient(configuration)
-        api_client = self._clients[user]
-        api_client.configuration.host = self.url  # the port is kept across restarts, but be sure
-        return api_client
+        return self._clients[user]
 
     def core(self, user: str = "admin") -> k8s.CoreV1Api:
         return k8s.CoreV1Api(self.client(user))
@@ -537,30 +615,50 @@ class Cluster:
     ) -> dict[str, Any]:
         """A raw JSON request through the official client (any version, any shape); ApiException on an
         error status, with the API server's Status in ``.body``."""
-        api_client = self.client(user)
-        params = api_client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=query or None,
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = api_client.call_api(*params, _request_timeout=30)
-        data = response.read()
-        if not 200 <= response.status <= 299:
-            raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
-        return json.loads(data) if data else {}
+        return Rest(self.client(user)).request(method, path, body, query=query, content_type=content_type)
 
-    def create_namespace(self, name: str, trusted: bool = False) -> None:
-        labels = {names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {}
+    def create_namespace(self, name: str, trusted: bool = False, labels: dict[str, str] | None = None) -> None:
+        """A namespace (created by the admin) where every tenant may `edit` (the bootstrap ClusterRole), ready
+        for pods (its `default` ServiceAccount exists)."""
+        labels = {**(labels or {}), **({names.TENANCY_LABEL: names.TENANCY_TRUSTED} if trusted else {})}
         self.request("POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
+        if self.tenants:
+            self.request(
+                "POST",
+                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{name}/rolebindings",
+                {
+                    "metadata": {"name": "tenants-edit"},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+                    "subjects": [
+                        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": self.users[t].name}
+                        for t in self.tenants
+                    ],
+                },
+            )
+        wait_for(
+            lambda: Rest(self.client()).get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+            self.ready_timeout,
+            f"the default ServiceAccount of namespace {name}",
+            interval=0.1,
+        )
+
+    def create_job(self, user: str, job: dict[str, Any]) -> str:
+        """Create the Job as ``user``; returns the name of the pod the Job controller creates for it."""
+        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        self.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", job, user=user)
+        query = [("labelSelector", f"batch.kubernetes.io/job-name={name}")]
+        pods = wait_for(
+            lambda: self.request("GET", f"/api/v1/namespaces/{namespace}/pods", query=query)["items"],
+            self.ready_timeout,
+            f"the pod of Job {namespace}/{name}",
+            interval=0.1,
+        )
+        return pods[0]["metadata"]["name"]
 
     def resource_path(self, plural: str, namespace: str = "", name: str = "", version: str | None = None) -> str:
-        """The URL path of a resource.k8s.io collection or object, in ``version`` (default: the preferred
-        one). For versions the official client has no typed API for (v1alpha3 claims), use it with
-        ``request``."""
-        path = f"/apis/{names.RESOURCE_GROUP}/{version or self._served_version()}"
+        """The URL path of a resource.k8s.io collection or object, in ``version`` (default v1). For versions
+        the official client has no typed API for (v1alpha3), use it with ``request``."""
+        path = f"/apis/{names.RESOURCE_GROUP}/{version or 'v1'}"
         path += f"/namespaces/{namespace}/{plural}" if namespace else f"/{plural}"
         return f"{path}/{name}" if name else path
 
@@ -568,28 +666,19 @@ class Cluster:
         return self.request("GET", self.resource_path("resourceclaims", namespace))["items"]
 
     def claim(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self.request("GET", self.resource_path("resourceclaims", namespace, name))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return Rest(self.client()).get(self.resource_path("resourceclaims", namespace, name))
 
     def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return Rest(self.client()).get(f"/api/v1/namespaces/{namespace}/pods/{name}")
 
     def pod_claim(self, namespace: str, pod_name: str, claim: str = "gpu") -> str | None:
-        """The name of the claim generated for ``pod_name``'s pod claim ``claim``, once there is one."""
-        pod = self.pod(namespace, pod_name) or {}
-        for status in (pod.get("status") or {}).get("resourceClaimStatuses") or []:
-            if status.get("name") == claim:
-                return status.get("resourceClaimName")
-        return None
+        """The name of the claim generated for ``pod_name``'s pod claim ``claim`` (or, for a pod that asks
+        for an extended resource, the claim the scheduler created), once there is one."""
+        status = (self.pod(namespace, pod_name) or {}).get("status") or {}
+        for entry in status.get("resourceClaimStatuses") or []:
+            if entry.get("name") == claim:
+                return entry.get("resourceClaimName")
+        return (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
 
     def taint_rules(self) -> list[dict[str, Any]]:
         for version in ("v1", "v1beta2", "v1alpha3"):
@@ -604,14 +693,10 @@ class Cluster:
 
     def device_name(self, device_uuid: str) -> str:
         """The DRA device name (gpu-0, gpu-0-mig-1, ...) the driver publishes for a UUID."""
-        from .driver import device_names
-
-        return device_names(self.gpus())[device_uuid]
+        return driver.device_names(self.gpus())[device_uuid]
 
     def device_uuid(self, device_name: str) -> str:
-        from .driver import device_names
-
-        return {v: k for k, v in device_names(self.gpus()).items()}[device_name]
+        return {v: k for k, v in driver.device_names(self.gpus()).items()}[device_name]
 
     def gpu_memory(self, device_uuid: str) -> bytes:
         """The device's memory as a tenant (or an attacker with the device) would read it."""
@@ -656,6 +741,18 @@ class Cluster:
             check=False,
             env=self._env,
         )
+
+
+def object_path(doc: dict[str, Any]) -> str:
+    """The URL path of ``doc`` (kinds whose plural is the regular English one, as for every kind here)."""
+    api_version, kind, meta = doc["apiVersion"], doc["kind"], doc["metadata"]
+    lower = kind.lower()
+    plural = lower[:-1] + "ies" if lower.endswith("y") else lower + ("es" if lower.endswith("s") else "s")
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    namespace = meta.get("namespace")
+    return (
+        f"{prefix}/namespaces/{namespace}/{plural}/{meta['name']}" if namespace else f"{prefix}/{plural}/{meta['name']}"
+    )
 
 
 def denial(call: Callable[[], object]) -> tuple[int, str]:

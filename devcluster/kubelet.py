@@ -1,5 +1,7 @@
-"""A kubelet for one simulated node: runs the pods bound to it as real processes attached to the
-simulated GPUs their claims were allocated.
+"""A kubelet for one simulated node, as a client of the real API server with the node's credentials
+(``system:node:<name>`` in ``system:nodes``, so the Node authorizer and NodeRestriction apply to it as to a
+kubelet): it registers its Node, runs the pods bound to it as real processes attached to the simulated GPUs
+their claims were allocated, and reports their status.
 
 - A pod starts once every claim is allocated and reserved for it; the driver prepares the claims,
   one shell process per pod stands in for its containers and is attached to each device.
@@ -30,14 +32,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubernetes.client.exceptions import ApiException
 from scrubgate.sanitizer_agent.gpu import simulated
 
-from .api import Api, Call, now_rfc3339
-from .auth import node_user
-from .controllers import pod_done
 from .driver import Driver
-from .resources import CLAIMS, NODES, PODS
-from .worker import Worker
+from .rest import Rest, status_message
 
 log = logging.getLogger("devcluster.kubelet")
 
@@ -47,6 +46,7 @@ LOOK_FOR = ANNOTATION_PREFIX + "look-for"
 RUN_SECONDS = ANNOTATION_PREFIX + "run-seconds"
 CANARY_FOUND = ANNOTATION_PREFIX + "CanaryFound"
 CONTAINER_ID_PREFIX = "devcluster://"
+LEASE_SECONDS = 40
 
 
 @dataclass
@@ -76,40 +76,127 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class Kubelet(Worker):
+def now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def pod_done(pod: dict) -> bool:
+    """No container of the pod runs or will run (upstream ``isPodDone``)."""
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pod_claim_refs(pod: dict) -> list[str]:
+    """The names of the claims the pod uses: named, generated from a template (``resourceClaimStatuses``), or
+    created by the scheduler for its extended resources (``extendedResourceClaimStatus``). None for a claim
+    whose name is not known yet."""
+    status = pod.get("status") or {}
+    generated = {s.get("name"): s.get("resourceClaimName") for s in status.get("resourceClaimStatuses") or []}
+    refs = [
+        ref.get("resourceClaimName") or generated.get(ref.get("name"))
+        for ref in (pod.get("spec") or {}).get("resourceClaims") or []
+    ]
+    if _requests_extended_resources(pod):
+        refs.append((status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName"))
+    return refs
+
+
+def _requests_extended_resources(pod: dict) -> bool:
+    containers = [*(pod["spec"].get("initContainers") or []), *(pod["spec"].get("containers") or [])]
+    return any(
+        "/" in name and not name.startswith(("kubernetes.io/", "hugepages-"))
+        for c in containers
+        for name in {
+            **((c.get("resources") or {}).get("limits") or {}),
+            **((c.get("resources") or {}).get("requests") or {}),
+        }
+    )
+
+
+class Kubelet:
     name = "kubelet"
 
-    def __init__(self, api: Api, node: str, gpu_root: Path, driver: Driver, interval_s: float = 0.5) -> None:
-        super().__init__(api, node_user(node), interval_s)
+    def __init__(self, rest: Rest, node: str, gpu_root: Path, driver: Driver) -> None:
+        self.rest = rest
         self.node = node
         self.gpu_root = Path(gpu_root)
         self.driver = driver
         self._running: dict[str, _Running] = {}  # pod uid -> its container process
 
-    def start(self) -> None:
-        self._register()
-        super().start()
-
-    def _register(self) -> None:
+    def register(self) -> None:
+        """Create the Node (once) and report it Ready, with room for many pods."""
         node = {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node}},
-            "status": {
-                "conditions": [
-                    {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": now_rfc3339()}
-                ]
+            "metadata": {
+                "name": self.node,
+                "labels": {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux"},
             },
         }
-        if self.api.store.get(("", "nodes", "", self.node)) is None:
-            self.create(NODES, node)
+        try:
+            self.rest.request("POST", "/api/v1/nodes", node)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        resources = {"cpu": "64", "memory": "512Gi", "pods": "500", "ephemeral-storage": "1Ti"}
+        heartbeat = now_rfc3339()
+        status = {
+            "capacity": resources,
+            "allocatable": resources,
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "devcluster kubelet stand-in",
+                    "lastHeartbeatTime": heartbeat,
+                    "lastTransitionTime": heartbeat,
+                }
+            ],
+            "nodeInfo": {
+                "machineID": self.node,
+                "systemUUID": self.node,
+                "bootID": self.node,
+                "kernelVersion": "",
+                "osImage": "devcluster",
+                "containerRuntimeVersion": "devcluster://1",
+                "kubeletVersion": "v0.0.0-devcluster",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
+        }
+        self.rest.merge_patch(f"/api/v1/nodes/{self.node}/status", {"status": status})
+
+    def heartbeat(self) -> None:
+        """Renew the node's Lease in kube-node-lease, as the kubelet does every 10 s: the node lifecycle
+        controller reads the node as Ready while it is renewed."""
+        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.node}"
+        now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": now}
+        try:
+            self.rest.merge_patch(path, {"spec": spec})
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            lease = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.node},
+                "spec": spec,
+            }
+            self.rest.request("POST", path.rsplit("/", 1)[0], lease)
 
     def sync(self) -> None:
-        pods = [p for p in self.api.store.list("", "pods")[0] if (p.get("spec") or {}).get("nodeName") == self.node]
+        pods = self.rest.request("GET", "/api/v1/pods", query=[("fieldSelector", f"spec.nodeName={self.node}")])
         seen = set()
-        for pod in pods:
+        for pod in pods.get("items") or []:
             seen.add(pod["metadata"]["uid"])
-            self._sync_pod(pod)
+            try:
+                self._sync_pod(pod)
+            except ApiException as exc:
+                # Conflicts and NotFound are ordinary races: the next pass sees the new state and retries.
+                if exc.status not in (404, 409):
+                    log.warning("node %s: pod %s: %s", self.node, pod["metadata"]["name"], status_message(exc))
         for uid in list(self._running):
             if uid not in seen:  # force-deleted behind our back: stop what still runs
                 log.info("node %s: pod %s is gone from the API; killing its container", self.node, uid)
@@ -144,15 +231,11 @@ class Kubelet(Worker):
     # ------------------------------------------------------------------ start
 
     def _claims_ready(self, pod: dict) -> list[dict] | None:
+        """The pod's claims once each is allocated and reserved for it (None before)."""
         ns = pod["metadata"]["namespace"]
-        generated = {
-            s.get("name"): s.get("resourceClaimName")
-            for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
-        }
         claims = []
-        for pod_claim in pod["spec"].get("resourceClaims") or []:
-            name = pod_claim.get("resourceClaimName") or generated.get(pod_claim.get("name"))
-            claim = self.api.store.get((CLAIMS.group, CLAIMS.plural, ns, name or ""))
+        for name in pod_claim_refs(pod):
+            claim = self.rest.get(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}") if name else None
             if claim is None or not (claim.get("status") or {}).get("allocation"):
                 return None
             if not any(r.get("uid") == pod["metadata"]["uid"] for r in claim["status"].get("reservedFor") or []):
@@ -206,7 +289,7 @@ class Kubelet(Worker):
     def _report_running(self, pod: dict, running: _Running) -> None:
         pod = copy.deepcopy(pod)
         status = pod.setdefault("status", {})
-        status.update({"phase": "Running", "startTime": now_rfc3339(), "hostIP": "127.0.0.1", "podIP": "127.0.0.1"})
+        status.update({"phase": "Running", "startTime": now_rfc3339()})
         status["conditions"] = [
             *[c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"],
             {"type": "Ready", "status": "True", "lastTransitionTime": now_rfc3339()},
@@ -224,7 +307,7 @@ class Kubelet(Worker):
             }
             for c in pod["spec"].get("containers") or []
         ]
-        self.update(PODS, pod, "status")
+        self._write_status(pod)
 
     def _adopt(self, pod: dict) -> None:
         """After a restart: take over a container process recorded in the pod's status."""
@@ -263,6 +346,7 @@ class Kubelet(Worker):
             self.driver.unprepare(claim_uid)
 
     def _terminate(self, pod: dict) -> None:
+        """Stop the containers, unprepare, report the pod terminal, then the kubelet's final delete."""
         meta = pod["metadata"]
         stopped = meta["uid"] in self._running
         self._stop_container(meta["uid"])
@@ -270,12 +354,8 @@ class Kubelet(Worker):
             pod = self._report_terminal(pod, "Failed", 137) or pod
         if meta.get("deletionGracePeriodSeconds") == 0:
             return  # our delete went through; finalizers hold the pod now
-        call = Call(self.user, PODS, "v1", meta["namespace"], meta["name"])
-        self._attempt(
-            call,
-            f"delete pod {meta['namespace']}/{meta['name']}",
-            lambda: self.api.delete(call, {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}),
-        )
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        self.rest.request("DELETE", path, {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
 
     def _report_terminal(self, pod: dict, phase: str, exit_code: int) -> dict | None:
         pod = copy.deepcopy(pod)
@@ -294,35 +374,14 @@ class Kubelet(Worker):
                     "containerID": container.get("containerID", ""),
                 }
             }
-        return self.update(PODS, pod, "status")
+        return self._write_status(pod)
+
+    def _write_status(self, pod: dict) -> dict:
+        """PUT pods/status, conditional on the resourceVersion read (a lost race is retried on the next pass)."""
+        meta = pod["metadata"]
+        return self.rest.request("PUT", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status", pod)
 
     def shutdown_containers(self) -> None:
         """Kill every container this kubelet runs (the node goes away for good)."""
         for uid in list(self._running):
             self._stop_container(uid)
-
-
-class SimulatedNode:
-    """A node: its DRA driver (publishing slices) and its kubelet."""
-
-    def __init__(self, api: Api, name: str, gpu_root: Path, interval_s: float = 0.5) -> None:
-        self.driver = Driver(api, name, simulated.SimulatedGpu(gpu_root))
-        self.kubelet = Kubelet(api, name, gpu_root, self.driver, interval_s)
-
-    def start(self) -> None:
-        self.kubelet.start()
-        self.driver.start()
-
-    def signal_stop(self) -> None:
-        self.kubelet.signal_stop()
-        self.driver.signal_stop()
-
-    def stop(self, keep_containers: bool = False) -> None:
-        """A clean shutdown also stops the containers; a crash leaves them to be adopted."""
-        self.kubelet.stop()
-        self.driver.stop()
-        if not keep_containers:
-            self.shutdown_containers()
-
-    def shutdown_containers(self) -> None:
-        self.kubelet.shutdown_containers()

@@ -236,9 +236,8 @@ class LoadRun:
         annotations = workloads.workload_annotations(
             canary=f"{CANARY_PREFIX}{index:05d}", look_for=CANARY_PREFIX, run_seconds=self.spec.run_time(index)
         )
-        job = workloads.job(f"load-{index:05d}", namespace, template=f"{wants}-claim", annotations=annotations)
-        pod = workloads.job_pod(job)
-        pod["metadata"]["labels"][RUN_LABEL] = self.run_id
+        pod = workloads.pod(f"load-{index:05d}", template=f"{wants}-claim", annotations=annotations)
+        pod["metadata"]["labels"] = {RUN_LABEL: self.run_id}
         created = self.cluster.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod, user=user)
         name = created["metadata"]["name"]
         self.outcomes[(namespace, name)] = ClaimOutcome(namespace, name, wants)

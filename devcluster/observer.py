@@ -8,10 +8,12 @@ import http.client
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -25,7 +27,7 @@ log = logging.getLogger("devcluster.observer")
 
 @dataclass(frozen=True)
 class Observed:
-    """One change the observer saw: ``rv`` orders all of them (the stand-in has one counter); ``at`` is when
+    """One change the observer saw: ``rv`` orders all of them (etcd's revision, one counter for all objects); ``at`` is when
     it arrived (``time.monotonic()``), for latencies between changes (the watch delay cancels out)."""
 
     rv: int
@@ -130,16 +132,17 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
 
 
 class Observer:
-    """Watches ResourceClaims, DeviceTaintRules and pods (all namespaces) through the stand-in's HTTP watch
-    and keeps every change, so tests can check orderings after the fact. Survives a restarted or killed
+    """Watches ResourceClaims, DeviceTaintRules and pods (all namespaces) through the API server's watch and
+    keeps every change, so tests can check orderings after the fact. Survives a restarted or killed
     API server: it resumes from the last resourceVersion, or lists again (noted in ``gaps``) when the
     server no longer has it."""
 
     RESOURCES = ("resourceclaims", "devicetaintrules", "pods")
 
-    def __init__(self, port: Callable[[], int], token: str) -> None:
+    def __init__(self, port: Callable[[], int], token: str, ca_file: Path) -> None:
         self._port = port
         self._token = token
+        self._ca_file = ca_file
         self._lock = threading.Lock()
         self._events: list[Observed] = []
         self.gaps: list[str] = []
@@ -180,6 +183,17 @@ class Observer:
     def pods(self) -> list[Observed]:
         return self.events("pods")
 
+    def dump(self, path: Path) -> None:
+        """Every change seen, one JSON line each in resourceVersion order (``obj`` null for a deletion): the
+        API server's history of these objects, for checking a run after the fact."""
+        with path.open("w") as out:
+            for event in self.events():
+                meta = event.obj.get("metadata") or {}
+                key = [names.RESOURCE_GROUP if event.resource != "pods" else "", event.resource,
+                       meta.get("namespace", ""), meta.get("name", "")]  # fmt: skip
+                obj = None if event.type == "DELETED" else event.obj
+                out.write(json.dumps({"rv": event.rv, "type": event.type, "key": key, "obj": obj}) + "\n")
+
     def violations(self, public_keys: dict[str, Ed25519PublicKey]) -> list[str]:
         return invariant_violations(self.events(), public_keys)
 
@@ -195,8 +209,12 @@ class Observer:
                 return f"/apis/{names.RESOURCE_GROUP}/{version}/{resource}"
         return None
 
+    def _connect(self, timeout: float) -> http.client.HTTPSConnection:
+        context = ssl.create_default_context(cafile=str(self._ca_file))
+        return http.client.HTTPSConnection("127.0.0.1", self._port(), timeout=timeout, context=context)
+
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection("127.0.0.1", self._port(), timeout=10)
+        conn = self._connect(timeout=10)
         try:
             conn.request("GET", path, headers={"Authorization": f"Bearer {self._token}"})
             resp = conn.getresponse()
@@ -235,7 +253,7 @@ class Observer:
 
     def _watch(self, resource: str, path: str, rv: str) -> str:
         """One watch call from ``rv``; returns the resourceVersion to resume from ("" to list again)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self._port(), timeout=30)
+        conn = self._connect(timeout=30)
         with self._lock:
             self._conns[resource] = conn
         try:

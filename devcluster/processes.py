@@ -125,6 +125,11 @@ class ManagedProcess:
                 self._proc.wait()
         return self._proc.returncode
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting for the exit (``stop`` waits)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
     def kill(self) -> int | None:
         """kill -9: no shutdown code runs (a crash, as far as the process can tell)."""
         if self._proc is None:

@@ -1,5 +1,5 @@
 """What tenants submit, in the shape each resource.k8s.io version wants: claim templates, claims, pods
-and the pods a Job controller would create. Shared by the demo and the end-to-end tests.
+and Jobs. Shared by the demo and the end-to-end tests.
 
 ``v1``/``v1beta2`` nest a request's fields under ``exactly``; ``v1beta1``/``v1alpha3`` keep them flat
 on the request (the official client refuses the other shape for a version).
@@ -7,8 +7,6 @@ on the request (the official client refuses the other shape for a version).
 
 from __future__ import annotations
 
-import copy
-import uuid as uuidlib
 from typing import Any
 
 from scrubgate.policies import names
@@ -130,42 +128,13 @@ def pod(name: str, *, annotations: dict[str, str] | None = None, **spec: Any) ->
 
 
 def job(name: str, namespace: str, *, annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
-    """A batch/v1 Job whose pods take their GPU from a claim template (restartPolicy Never)."""
-    template: dict[str, Any] = {"metadata": {"labels": {"job-name": name}}, "spec": pod_spec(**spec)}
+    """A batch/v1 Job whose pod takes its GPU from a claim template (restartPolicy Never, no retries)."""
+    template: dict[str, Any] = {"metadata": {}, "spec": pod_spec(**spec)}
     if annotations:
         template["metadata"]["annotations"] = dict(annotations)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "uid": str(uuidlib.uuid4())},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {"backoffLimit": 0, "template": template},
-    }
-
-
-def job_pod(job_obj: dict[str, Any]) -> dict[str, Any]:
-    """The pod the Job controller creates for ``job_obj``: its template, ``generateName <job>-`` and a
-    controller ownerReference to the Job. (The stand-in serves no Jobs; the caller plays the controller.)"""
-    meta = job_obj["metadata"]
-    template = copy.deepcopy(job_obj["spec"]["template"])
-    metadata = template.get("metadata") or {}
-    labels = {**(metadata.get("labels") or {}), "batch.kubernetes.io/controller-uid": meta["uid"]}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            **metadata,
-            "generateName": f"{meta['name']}-",
-            "labels": labels,
-            "ownerReferences": [
-                {
-                    "apiVersion": "batch/v1",
-                    "kind": "Job",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
-        "spec": template["spec"],
     }

@@ -128,7 +128,7 @@ def verify(token: str, public_keys: Mapping[str, Ed25519PublicKey]) -> dict[str,
     return payload
 
 
-def _device_key(device: Mapping[str, Any]) -> tuple[str, str, str]:
+def device_key(device: Mapping[str, Any]) -> tuple[str, str, str]:
     return (str(device.get("driver", "")), str(device.get("pool", "")), str(device.get("device", "")))
 
 
@@ -138,11 +138,22 @@ def claimed_devices(claim: Mapping[str, Any], skip_requests: Collection[str] = (
     allocation is gone after release). A field of the wrong type reads as absent; a devices annotation that
     cannot be read is an error."""
     found: set[tuple[str, str, str]] = set()
-    allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
-    for result in as_list(as_dict(allocation.get("devices")).get("results")):
+    for result in allocation_results(claim):
         # A result of a subrequest names it `request/subrequest`.
-        if isinstance(result, dict) and as_str(result.get("request")).split("/")[0] not in skip_requests:
-            found.add(_device_key(result))
+        if as_str(result.get("request")).split("/")[0] not in skip_requests:
+            found.add(device_key(result))
+    return found | recorded_devices(claim)
+
+
+def allocation_results(claim: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The entries of `status.allocation.devices.results` (each with request, driver, pool, device)."""
+    allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
+    return [r for r in as_list(as_dict(allocation.get("devices")).get("results")) if isinstance(r, dict)]
+
+
+def recorded_devices(claim: Mapping[str, Any]) -> set[tuple[str, str, str]]:
+    """The devices on the agent's record (`scrubgate.dev/devices`); an annotation that cannot be read is an error."""
+    found: set[tuple[str, str, str]] = set()
     recorded = as_dict(as_dict(claim.get("metadata")).get("annotations")).get(ANNOTATION_DEVICES)
     if recorded:
         if not isinstance(recorded, str):
@@ -153,7 +164,7 @@ def claimed_devices(claim: Mapping[str, Any], skip_requests: Collection[str] = (
             raise AttestationError(f"annotation {ANNOTATION_DEVICES} is not JSON") from exc
         if not isinstance(entries, list):
             raise AttestationError(f"annotation {ANNOTATION_DEVICES} must be a JSON list")
-        found.update(_device_key(e) for e in entries if isinstance(e, dict))
+        found.update(device_key(e) for e in entries if isinstance(e, dict))
     return found
 
 
@@ -165,6 +176,17 @@ def reserved_pods(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
         name, uid = ref.get("name"), ref.get("uid")
         if ref.get("resource") == "pods" and not ref.get("apiGroup") and isinstance(name, str) and isinstance(uid, str):
             found.append((name, uid))
+    return found
+
+
+def reserved_consumers(claim: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(resource, name, UID) of every consumer in `status.reservedFor`: `pods` for a pod, `<resource>.<group>`
+    for anything else (a 1.36 PodGroup: `podgroups.scheduling.k8s.io`). An entry without a UID keeps an empty one."""
+    found = []
+    for entry in as_list(as_dict(claim.get("status")).get("reservedFor")):
+        ref = as_dict(entry)
+        resource, group = as_str(ref.get("resource")), as_str(ref.get("apiGroup"))
+        found.append((f"{resource}.{group}" if group else resource, as_str(ref.get("name")), as_str(ref.get("uid"))))
     return found
 
 
@@ -199,8 +221,8 @@ def check_claim_attestation(
     attested = payload.get("devices")
     if not isinstance(attested, list) or not attested:
         raise AttestationError("attestation lists no devices")
-    clean = {_device_key(d) for d in attested if isinstance(d, dict) and d.get("verified") is True}
-    dirty = sorted("/".join(_device_key(d)) for d in attested if isinstance(d, dict) and d.get("verified") is not True)
+    clean = {device_key(d) for d in attested if isinstance(d, dict) and d.get("verified") is True}
+    dirty = sorted("/".join(device_key(d)) for d in attested if isinstance(d, dict) and d.get("verified") is not True)
     if dirty:
         raise AttestationError(f"attestation shows devices not verified clean: {', '.join(dirty)}")
     required = claimed_devices(claim) if required is None else required
@@ -212,4 +234,12 @@ def check_claim_attestation(
     later = sorted(f"{name} ({uid})" for name, uid in reserved_pods(claim) if uid not in attested_pods)
     if later:
         raise AttestationError(f"attestation predates the claim's use by pod(s) {', '.join(later)}")
+    # A claim shared through a PodGroup is used by pods the attestation cannot list: it must name the group.
+    groups = sorted(
+        f"{resource} {name} ({uid or 'no UID'})"
+        for resource, name, uid in reserved_consumers(claim)
+        if resource != "pods" and (not uid or uid not in attested_pods)
+    )
+    if groups:
+        raise AttestationError(f"attestation does not cover the claim's use by {', '.join(groups)}")
     return payload

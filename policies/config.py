@@ -37,7 +37,9 @@ class Tenancy(_Model):
 
 
 class GracePeriod(_Model):
+    # 30 s is also what the API server sets where a pod spec has none, before any webhook sees it.
     minimum_seconds: int = Field(30, alias="minimumSeconds", ge=0)
+    # What `scrubgate check --fix` writes into a manifest that has none; nothing sets it at admission.
     default_seconds: int = Field(60, alias="defaultSeconds", ge=1)
     maximum_seconds: int = Field(3600, alias="maximumSeconds", ge=1)
 
@@ -82,7 +84,19 @@ class PolicyConfig(_Model):
     api_version: Literal["scrubgate.dev/v1"] = Field("scrubgate.dev/v1", alias="apiVersion")
     kind: Literal["PolicyConfig"] = "PolicyConfig"
     gpu_device_classes: tuple[str, ...] = Field(
-        ("gpu.nvidia.com", "mig.nvidia.com", "*.nvidia.com"), alias="gpuDeviceClasses"
+        ("gpu.nvidia.com", "mig.nvidia.com", "*.gpu.nvidia.com"), alias="gpuDeviceClasses"
+    )
+    # Classes that are never in scope, whatever gpuDeviceClasses matches: devices no agent scrubs (IMEX channels
+    # of ComputeDomains, a GPU bound to vfio-pci). A guard on them would never be lifted.
+    exclude_device_classes: tuple[str, ...] = Field(
+        ("compute-domain-*.nvidia.com", "imex.nvidia.com", "vfio.gpu.nvidia.com"), alias="excludeDeviceClasses"
+    )
+    # Drivers whose allocated devices the agent scrubs: a claim holding one is a GPU claim whatever its class.
+    gpu_drivers: tuple[str, ...] = Field(("gpu.nvidia.com",), alias="gpuDrivers")
+    # Extended resource names (KEP-5004) that stand for GPUs; `deviceclass.resource.kubernetes.io/<class>` is
+    # one whenever <class> is a GPU class.
+    gpu_extended_resources: tuple[str, ...] = Field(
+        ("nvidia.com/gpu", "nvidia.com/mig-*"), alias="gpuExtendedResources"
     )
     tenancy: Tenancy = Tenancy()
     grace_period: GracePeriod = Field(GracePeriod(), alias="gracePeriod")
@@ -122,10 +136,20 @@ class PolicyConfig(_Model):
         memo = self._gpu_class_memo
         known = memo.get(device_class)
         if known is None:
-            known = any(fnmatch.fnmatchcase(device_class, pattern) for pattern in self.gpu_device_classes)
+            known = _matches(device_class, self.gpu_device_classes) and not self.is_excluded_class(device_class)
             if len(memo) < 1024:
                 memo[device_class] = known
         return known
+
+    def is_excluded_class(self, device_class: str) -> bool:
+        return _matches(device_class, self.exclude_device_classes)
+
+    def is_gpu_extended_resource(self, name: str) -> bool:
+        """An extended resource name (KEP-5004) whose claim holds GPUs: one of gpuExtendedResources, or the
+        implicit `deviceclass.resource.kubernetes.io/<class>` of a GPU class."""
+        if name.startswith(names.IMPLICIT_EXTENDED_RESOURCE_PREFIX):
+            return self.is_gpu_class(name[len(names.IMPLICIT_EXTENDED_RESOURCE_PREFIX) :])
+        return _matches(name, self.gpu_extended_resources)
 
     @cached_property
     def public_keys(self) -> dict[str, Ed25519PublicKey]:
@@ -136,6 +160,10 @@ class PolicyConfig(_Model):
         """SHA-256 of the effective policy, recorded in audit records so a decision can be traced to its policy."""
         canonical = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

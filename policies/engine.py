@@ -13,7 +13,21 @@ from typing import Any, Literal
 from . import rules
 from .config import PolicyConfig
 from .findings import Finding, pointer
-from .model import as_dict, as_str, fence_key, is_claim, is_known, kind_of, metadata, pod_claims, pod_spec
+from .model import (
+    as_dict,
+    as_str,
+    fence_key,
+    is_claim,
+    is_device_class,
+    is_eviction,
+    is_known,
+    is_namespace,
+    is_pod_group,
+    kind_of,
+    metadata,
+    pod_claims,
+    pod_spec,
+)
 from .rules import Violation
 
 Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
@@ -68,18 +82,21 @@ def validate(
             return []
         return _findings(policy, "SG008", rules.force_delete(old, admission.options, admission.groups, policy))
     if not isinstance(obj, dict) or not is_known(obj):
-        # Of the kinds the rules do not read, one is guarded: scrubgate's own fence.
-        if admission is None or admission.operation != "UPDATE" or not isinstance(admission.old_object, dict):
-            return []
-        return _fence_findings(obj if isinstance(obj, dict) else {}, admission.old_object, policy, admission)
+        return _other_findings(obj if isinstance(obj, dict) else {}, policy, trusted, admission)
     if admission is not None and admission.subresource == "status":
-        # Only the status changes (the API server keeps spec and metadata): the deallocation guard.
+        # Only the status changes (the API server keeps spec and metadata): the deallocation guard, and a GPU
+        # claim reserved for a PodGroup.
         old = admission.old_object
-        if admission.operation != "UPDATE" or not isinstance(old, dict) or not _enabled(policy, "SG007"):
+        if admission.operation != "UPDATE" or not isinstance(old, dict) or kind_of(obj)[1] != "ResourceClaim":
             return []
-        if kind_of(obj)[1] != "ResourceClaim":
-            return []
-        return _guarded(policy, rules.deallocation_guard(obj, old, admission.username, policy))
+        found = []
+        if not trusted and rules.guarded_devices(obj, policy):
+            shared = _findings(policy, "SG002", rules.group_reservation(obj))
+            before = {f.message for f in _findings(policy, "SG002", rules.group_reservation(old))}
+            found += [f for f in shared if f.message not in before]
+        if _enabled(policy, "SG007"):
+            found += _guarded(policy, rules.deallocation_guard(obj, old, admission.username, policy))
+        return found
     found = _object_findings(obj, policy, trusted, manifest=admission is None)
     if admission is None or admission.operation == "CREATE":
         if is_claim(obj) and _enabled(policy, "SG007"):
@@ -96,6 +113,29 @@ def validate(
     return found
 
 
+def _other_findings(
+    obj: dict[str, Any], policy: PolicyConfig, trusted: bool, admission: Admission | None
+) -> list[Finding]:
+    """The kinds the claim and pod rules do not read, of which a few are guarded: DeviceClasses (SG009, in CI
+    too), PodGroups sharing claims (SG002), Namespaces' tenancy label (SG010), Evictions (SG008) and
+    scrubgate's own fences (SG007)."""
+    if is_device_class(obj):
+        return _findings(policy, "SG009", rules.gpu_class_coverage(obj, policy))
+    if is_pod_group(obj):
+        return [] if trusted else _findings(policy, "SG002", rules.pod_group_claims(obj))
+    if admission is None:
+        return []
+    old = admission.old_object if isinstance(admission.old_object, dict) else None
+    if is_namespace(obj) and admission.operation in ("CREATE", "UPDATE") and _enabled(policy, "SG010"):
+        result = rules.tenancy_label(obj, old, admission.username, admission.groups, policy)
+        return _guarded(policy, result, "SG010")
+    if is_eviction(obj) and admission.operation == "CREATE":
+        return _findings(policy, "SG008", rules.force_evict(obj, admission.groups, policy))
+    if admission.operation != "UPDATE" or old is None:
+        return []
+    return _fence_findings(obj, old, policy, admission)
+
+
 def _fence_findings(
     obj: dict[str, Any] | None, old: dict[str, Any], policy: PolicyConfig, admission: Admission
 ) -> list[Finding]:
@@ -105,12 +145,14 @@ def _fence_findings(
     return _guarded(policy, rules.fence_guard(obj, old, admission.username, admission.groups, policy))
 
 
-def _guarded(policy: PolicyConfig, result: tuple[list[Violation], list[Violation]]) -> list[Finding]:
-    """SG007's findings from a guard's (violations, break-glass uses): break-glass, and an admin lifting a
-    fence, is allowed, and always recorded, whatever the rule's action."""
-    violations, break_glass = result
-    return _findings(policy, "SG007", violations) + [
-        Finding("SG007", "audit", message, path) for message, path, _ in break_glass
+def _guarded(
+    policy: PolicyConfig, result: tuple[list[Violation], list[Violation]], rule_id: str = "SG007"
+) -> list[Finding]:
+    """A guard's findings from its (violations, admin uses): break-glass, an admin lifting a fence or changing
+    a namespace's tenancy, is allowed, and always recorded, whatever the rule's action."""
+    violations, admin_uses = result
+    return _findings(policy, rule_id, violations) + [
+        Finding(rule_id, "audit", message, path) for message, path, _ in admin_uses
     ]
 
 
@@ -134,24 +176,20 @@ def _object_findings(obj: dict[str, Any], policy: PolicyConfig, trusted: bool, m
     if not (is_pod and trusted):
         found += _findings(policy, "SG002", rules.shared_claim(ref, is_pod))
     found += _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=manifest))
-    found += _findings(policy, "SG005", rules.pod_fence_toleration(ref))
+    found += _findings(policy, "SG005", rules.pod_fence_toleration(ref, policy, trusted))
     return found
 
 
 def default(obj: Mapping[str, Any] | None, policy: PolicyConfig, operation: Operation = "CREATE") -> list[Finding]:
-    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004)
-    and the default grace period where a pod spec with DRA claims has none (SG003). Only on CREATE: on
-    UPDATE the agent's own removal of the finalizer must not be undone."""
-    if operation != "CREATE" or not isinstance(obj, dict) or not is_known(obj):
+    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004).
+    Only on CREATE: on UPDATE the agent's own removal of the finalizer must not be undone. No grace period is
+    defaulted here: the API server sets an absent terminationGracePeriodSeconds to 30 s before any admission
+    webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""
+    if operation != "CREATE" or not isinstance(obj, dict) or not is_claim(obj):
         return []
-    if is_claim(obj):
-        if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
-            return []
-        return _findings(policy, "SG004", rules.claim_finalizer(obj))
-    ref = pod_spec(obj)
-    if ref is None or "terminationGracePeriodSeconds" in ref.spec:
+    if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
         return []
-    return _findings(policy, "SG003", rules.grace_period(ref, policy, manifest=True))
+    return _findings(policy, "SG004", rules.claim_finalizer(obj))
 
 
 def shared_claims(

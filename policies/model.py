@@ -73,6 +73,27 @@ def is_known(obj: Any) -> bool:
     return isinstance(obj, dict) and (is_claim(obj) or is_pod_carrier(obj))
 
 
+def is_device_class(obj: dict[str, Any]) -> bool:
+    api_version, kind = kind_of(obj)
+    return kind == "DeviceClass" and api_version in RESOURCE_API_VERSIONS
+
+
+def is_namespace(obj: dict[str, Any]) -> bool:
+    return kind_of(obj) == ("v1", "Namespace")
+
+
+def is_eviction(obj: dict[str, Any]) -> bool:
+    api_version, kind = kind_of(obj)
+    return kind == "Eviction" and api_version in ("policy/v1", "policy/v1beta1")
+
+
+def is_pod_group(obj: dict[str, Any]) -> bool:
+    """A PodGroup of the workload API (1.36 alpha): its `spec.resourceClaims` are one claim per group, which
+    every pod of the group shares."""
+    api_version, kind = kind_of(obj)
+    return kind == "PodGroup" and api_version.startswith(names.SCHEDULING_GROUP + "/")
+
+
 def fence_key(obj: dict[str, Any]) -> str:
     """The `scrubgate.dev/` taint key a DeviceTaintRule puts on devices: scrubgate's fence. "" for any other
     object, or a rule with another key. DeviceTaintRule is served in v1, v1beta2 and v1alpha3; any
@@ -137,6 +158,29 @@ def pod_claims(ref: PodSpecRef) -> list[PodClaim]:
             )
         )
     return claims
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendedResource:
+    """One extended resource a container asks for (requests or limits): a device plugin's, or since
+    KEP-5004 one that the scheduler turns into a ResourceClaim."""
+
+    name: str
+    path: tuple[str | int, ...]
+
+
+def extended_resources(ref: PodSpecRef) -> list[ExtendedResource]:
+    """The domain-prefixed resource names (`vendor.com/x`) in the resources of every container and init
+    container; cpu, memory and the like have no `/`."""
+    found = []
+    for containers in ("initContainers", "containers"):
+        for index, container in enumerate(as_list(ref.spec.get(containers))):
+            resources = as_dict(as_dict(container).get("resources"))
+            for section in ("requests", "limits"):
+                for name in as_dict(resources.get(section)):
+                    if isinstance(name, str) and "/" in name:
+                        found.append(ExtendedResource(name, (*ref.path, containers, index, "resources", section, name)))
+    return found
 
 
 @dataclass(frozen=True, slots=True)

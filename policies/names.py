@@ -27,8 +27,11 @@ WEBHOOK_SERVICE: Final = "scrubgate-webhook"
 # Kubernetes' own names that the rules and the agent read.
 RESOURCE_GROUP: Final = "resource.k8s.io"
 RESOURCE_VERSIONS: Final = ("v1", "v1beta2", "v1beta1", "v1alpha3")
+SCHEDULING_GROUP: Final = "scheduling.k8s.io"
 POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
 DELETE_PROTECTION_FINALIZER: Final = "resource.kubernetes.io/delete-protection"
+# KEP-5004: a pod may ask for the devices of DeviceClass <class> as the extended resource `<prefix><class>`.
+IMPLICIT_EXTENDED_RESOURCE_PREFIX: Final = "deviceclass.resource.kubernetes.io/"
 
 # Scrub states written to ANNOTATION_SCRUB_STATUS; failures are "failed:<reason>".
 SCRUB_FENCED: Final = "fenced"

@@ -6,11 +6,20 @@ the engine turns them into findings with the action the policy gives the rule.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from . import names
-from .attestation import AttestationError, check_claim_attestation, claimed_devices, deleted_before_allocation
+from .attestation import (
+    AttestationError,
+    allocation_results,
+    check_claim_attestation,
+    deleted_before_allocation,
+    device_key,
+    recorded_devices,
+    reserved_consumers,
+)
 from .config import PolicyConfig
 from .findings import pointer
 from .model import (
@@ -21,9 +30,11 @@ from .model import (
     as_list,
     as_str,
     device_requests,
+    extended_resources,
     fence_key,
     metadata,
     pod_claims,
+    pod_spec,
 )
 
 Violation = tuple[str, str, tuple[dict[str, Any], ...]]
@@ -35,6 +46,48 @@ TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 def gpu_requests(obj: dict[str, Any], policy: PolicyConfig) -> list[DeviceRequest]:
     """Requests that may be satisfied by a GPU class: the claim is in scope if there is any."""
     return [r for r in device_requests(obj) if any(policy.is_gpu_class(c) for c in r.device_classes())]
+
+
+def _result_classes(obj: dict[str, Any]) -> dict[str, str]:
+    """Device class by the name an allocation result gives its request: `request`, or `request/subrequest`."""
+    classes: dict[str, str] = {}
+    for request in device_requests(obj):
+        for choice in request.choices:
+            if not choice.device_class:
+                continue
+            if choice.path[len(request.path) : len(request.path) + 1] == ("firstAvailable",):
+                classes[f"{request.name}/{as_str(choice.fields.get('name'))}"] = choice.device_class
+            else:
+                classes[request.name] = choice.device_class
+    return classes
+
+
+def guarded_devices(claim: dict[str, Any], policy: PolicyConfig) -> set[tuple[str, str, str]]:
+    """The allocated devices that may hold a tenant's GPU memory, known from what was allocated rather than
+    from the class's name: a result from one of the policy's GPU drivers, or for a GPU class, unless its
+    request used an excluded class (a GPU bound to vfio-pci, an IMEX channel), which no agent scrubs. A result
+    of a request the spec does not have is guarded too (fail closed)."""
+    classes = _result_classes(claim)
+    found = set()
+    for result in allocation_results(claim):
+        device_class = classes.get(as_str(result.get("request")), "")
+        if device_class and policy.is_excluded_class(device_class):
+            continue
+        gpu_driver = as_str(result.get("driver")) in policy.gpu_drivers
+        if not device_class or gpu_driver or policy.is_gpu_class(device_class):
+            found.add(device_key(result))
+    return found
+
+
+def gpu_extended_resources(ref: PodSpecRef, policy: PolicyConfig) -> list[str]:
+    """The extended resources of a pod spec that stand for GPUs (KEP-5004: the scheduler creates their claim,
+    named only in the pod's status; the pod has no spec.resourceClaims)."""
+    return [r.name for r in extended_resources(ref) if policy.is_gpu_extended_resource(r.name)]
+
+
+def is_gpu_pod(ref: PodSpecRef, policy: PolicyConfig) -> bool:
+    """A pod spec that may hold a GPU claim: DRA claims of its own, or a GPU extended resource."""
+    return bool(as_list(ref.spec.get("resourceClaims"))) or bool(gpu_extended_resources(ref, policy))
 
 
 def retain_deallocation(obj: dict[str, Any]) -> list[Violation]:
@@ -79,9 +132,9 @@ def shared_claim(ref: PodSpecRef, is_pod: bool) -> list[Violation]:
 
 
 def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[Violation]:
-    """SG003, for a pod spec with DRA claims. Absence counts only in manifests: the API server defaults the
-    field before admission."""
-    if not as_list(ref.spec.get("resourceClaims")):
+    """SG003, for a GPU pod spec. Absence counts only in manifests: the API server defaults the field (30 s)
+    before any admission webhook sees the pod."""
+    if not is_gpu_pod(ref, policy):
         return []
     limits = policy.grace_period
     path = pointer(*ref.path, "terminationGracePeriodSeconds")
@@ -90,8 +143,9 @@ def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[
             return []
         return [
             (
-                f"pod spec with DRA claims has no terminationGracePeriodSeconds: set it (default "
-                f"{limits.default_seconds}s) so the driver can unprepare the device before the pod ends",
+                f"GPU pod spec has no terminationGracePeriodSeconds (the API server would set 30s): set it "
+                f"between {limits.minimum_seconds} and {limits.maximum_seconds} so the driver can unprepare the "
+                f"device before the pod ends (`scrubgate check --fix` writes {limits.default_seconds})",
                 path,
                 ({"op": "add", "path": path, "value": limits.default_seconds},),
             )
@@ -103,7 +157,7 @@ def grace_period(ref: PodSpecRef, policy: PolicyConfig, manifest: bool) -> list[
         return [
             (
                 f"terminationGracePeriodSeconds is {value}s, below the minimum of {limits.minimum_seconds}s "
-                f"for pods with DRA claims: raise it to at least {limits.minimum_seconds}",
+                f"for GPU pods: raise it to at least {limits.minimum_seconds}",
                 path,
                 (),
             )
@@ -169,23 +223,29 @@ def fence_toleration(obj: dict[str, Any], requests: list[DeviceRequest]) -> list
     return found
 
 
-def pod_fence_toleration(ref: PodSpecRef) -> list[Violation]:
-    """SG005 for pods: where no DeviceTaintRule API is served the agent fences with a node taint, which a pod
-    toleration of a scrubgate.dev/ key would defeat. Key-less tolerations are left alone here: system
-    DaemonSets use them, and they reach no device without a claim. A pod without DRA claims (the agent
-    itself) gets no DRA device, so its tolerations are none of this rule's business."""
-    if not as_list(ref.spec.get("resourceClaims")):
+def pod_fence_toleration(ref: PodSpecRef, policy: PolicyConfig, trusted: bool) -> list[Violation]:
+    """SG005 for GPU pods: where no DeviceTaintRule API is served the agent fences with a node taint, which a
+    pod toleration of a scrubgate.dev/ key, or of every taint (`operator: Exists` without a key, whatever
+    its effect), would defeat. In a single-tenant namespace a key-less toleration is left alone (a tenant's
+    own device). A pod without GPU claims (the agent itself, system DaemonSets) gets no GPU through the fence,
+    so its tolerations are none of this rule's business."""
+    if not is_gpu_pod(ref, policy):
         return []
-    return [
-        (
-            f"pod tolerates the node taint {as_str(as_dict(t).get('key'))}: remove the toleration; it defeats "
-            f"scrubgate's fence on nodes without DeviceTaintRule support",
-            pointer(*ref.path, "tolerations", index),
-            (),
+    found = []
+    for index, toleration in enumerate(as_list(ref.spec.get("tolerations"))):
+        if not _tolerates_fence(toleration, keyless_exists=not trusted):
+            continue
+        key = as_str(as_dict(toleration).get("key"))
+        what = f"the node taint {key}" if key else "every taint (operator: Exists, no key)"
+        found.append(
+            (
+                f"GPU pod tolerates {what}: remove the toleration (or give it a key); it defeats scrubgate's "
+                f"fence on nodes without DeviceTaintRule support",
+                pointer(*ref.path, "tolerations", index),
+                (),
+            )
         )
-        for index, t in enumerate(as_list(ref.spec.get("tolerations")))
-        if _tolerates_fence(t, keyless_exists=False)
-    ]
+    return found
 
 
 def admin_access(requests: list[DeviceRequest]) -> list[Violation]:
@@ -275,7 +335,7 @@ def finalizer_guard(
     new_finalizers = as_list(metadata(obj).get("finalizers"))
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
         return violations, []
-    if deleted_before_allocation(old):
+    if deleted_before_allocation(old) or _owes_no_scrub(old, policy):
         return violations, []
     path = "/metadata/finalizers"
     reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()
@@ -297,6 +357,23 @@ def finalizer_guard(
     return violations, []
 
 
+def _required_devices(claim: dict[str, Any], policy: PolicyConfig) -> set[tuple[str, str, str]]:
+    """What an attestation must cover: the claim's guarded devices and those on the agent's record."""
+    return guarded_devices(claim, policy) | recorded_devices(claim)
+
+
+def _owes_no_scrub(claim: dict[str, Any], policy: PolicyConfig) -> bool:
+    """A claim being deleted that holds no guarded device and has none on the agent's record (a ComputeDomain
+    channel, a vfio GPU, a claim given the finalizer under an older policy): no agent will ever attest it,
+    so its finalizer may go, or the claim and its namespace would hang in Terminating."""
+    if not metadata(claim).get("deletionTimestamp"):
+        return False
+    try:
+        return not _required_devices(claim, policy)
+    except AttestationError:
+        return False
+
+
 def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: PolicyConfig) -> str | None:
     """Why the claim's attestation does not cover every GPU it holds or held (None when it does). Devices of
     requests that cannot use a GPU class (a NIC in the same claim, say) hold no GPU memory: the agent does
@@ -304,14 +381,20 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
     token = annotations(claim).get(names.ANNOTATION_ATTESTATION)
     if not isinstance(token, str) or not token:
         return f"without a {names.ANNOTATION_ATTESTATION} annotation"
-    # Unnamed requests are malformed: their results stay required (fail closed).
-    other = {r.name for r in device_requests(old) if r.name} - {r.name for r in gpu_requests(old, policy)}
     try:
-        required = claimed_devices(old, other) | claimed_devices(claim, other)
+        required = _required_devices(old, policy) | _required_devices(claim, policy)
         check_claim_attestation(token, claim, policy.public_keys, required)
     except AttestationError as exc:
         return f"with an attestation that does not hold: {exc}"
     return None
+
+
+def _scheduler_may_clear(old: dict[str, Any]) -> bool:
+    """The scheduler's PostFilter clears only the allocation of a claim reserved for nobody or for the one pod
+    it is scheduling; a claim that the old object shows reserved for another consumer, or for more than one,
+    has been in use, and the exemption does not reach it."""
+    consumers = reserved_consumers(old)
+    return not consumers or (len(consumers) == 1 and consumers[0][0] == "pods")
 
 
 def deallocation_guard(
@@ -320,14 +403,19 @@ def deallocation_guard(
     """SG007 on an UPDATE of a GPU claim's status: the allocation goes (its devices back to the pool) only
     once the claim carries an attestation of their scrub. The agent then always finds a released claim
     still allocated, however late it looks, e.g. after a restart. Exempt: the scheduler undoing its own
-    allocation before binding (no container ran), and a claim an admin has set break-glass on.
+    allocation before binding (no container ran; only a claim reserved for nobody or one pod), and a claim an
+    admin has set break-glass on.
     Returns (violations, break-glass deallocations to audit)."""
     allocation = as_dict(old.get("status")).get("allocation")
     if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
         return [], []
-    if names.FINALIZER not in as_list(metadata(old).get("finalizers")) and not gpu_requests(old, policy):
-        return [], []
-    if username in policy.scheduler.identities:
+    # Only devices that may hold GPU memory are guarded: one no agent scrubs would stay allocated forever.
+    try:
+        if not _required_devices(old, policy):
+            return [], []
+    except AttestationError:
+        pass  # an agent's record that cannot be read: keep the guard (fail closed)
+    if username in policy.scheduler.identities and _scheduler_may_clear(old):
         return [], []
     # The metadata of a status write is the stored one: read the attestation from the old object.
     path = "/status/allocation"
@@ -395,10 +483,12 @@ def _pod_done(pod: dict[str, Any]) -> bool:
 def force_delete(
     pod: dict[str, Any], options: Mapping[str, Any] | None, groups: tuple[str, ...], policy: PolicyConfig
 ) -> list[Violation]:
-    """SG008 on a DELETE of a pod with DRA claims."""
-    ref_claims = as_list(as_dict(pod.get("spec")).get("resourceClaims"))
+    """SG008 on a DELETE of a GPU pod. A pod already terminal (the pod GC marks a pod of a lost node Failed
+    before it deletes it with grace 0) runs nothing that a graceful delete would stop, and its claim's
+    allocation stays guarded by SG007 until its devices are attested clean."""
+    ref = pod_spec(pod)
     grace = as_dict(options).get("gracePeriodSeconds")
-    if not ref_claims or grace != 0 or _pod_done(pod):
+    if ref is None or not is_gpu_pod(ref, policy) or grace != 0 or _pod_done(pod):
         return []
     if any(group in policy.admin_groups for group in groups):
         return []
@@ -406,7 +496,142 @@ def force_delete(
         (
             "pod with DRA claims deleted with grace period 0 (force): delete it without --force --grace-period=0 "
             "so its devices are unprepared and scrubbed; only the policy's admin groups may force-delete",
-            "/spec/resourceClaims",
+            "/spec",
             (),
         )
+    ]
+
+
+def force_evict(eviction: dict[str, Any], groups: tuple[str, ...], policy: PolicyConfig) -> list[Violation]:
+    """SG008 on an Eviction (`pods/eviction`): the API server deletes the pod with the eviction's
+    deleteOptions and runs no admission for that DELETE. The webhook sees the Eviction only, not the pod, so a
+    grace period of 0 is refused whatever the pod (fail closed); evictions that keep the pod's grace period
+    (kubectl drain, the autoscalers) pass."""
+    if as_dict(eviction.get("deleteOptions")).get("gracePeriodSeconds") != 0:
+        return []
+    if any(group in policy.admin_groups for group in groups):
+        return []
+    return [
+        (
+            "eviction with deleteOptions.gracePeriodSeconds 0 (a force delete): evict without gracePeriodSeconds "
+            "(e.g. kubectl drain without --grace-period=0) so the pod's devices are unprepared and scrubbed; only "
+            "the policy's admin groups may force-evict",
+            "/deleteOptions/gracePeriodSeconds",
+            (),
+        )
+    ]
+
+
+# DeviceClass selectors name their driver in CEL: `device.driver == "gpu.nvidia.com"` (either side, either quote).
+_DRIVER_COMPARISON = re.compile(
+    r"""device\.driver\s*==\s*(["'])(?P<a>[^"']+)\1|(["'])(?P<b>[^"']+)\3\s*==\s*device\.driver"""
+)
+
+
+def selected_drivers(device_class: dict[str, Any]) -> list[tuple[str, str]]:
+    """(driver, JSON pointer of its expression) for each driver a DeviceClass's CEL selectors compare with."""
+    found = []
+    for index, selector in enumerate(as_list(as_dict(device_class.get("spec")).get("selectors"))):
+        expression = as_str(as_dict(as_dict(selector).get("cel")).get("expression"))
+        for match in _DRIVER_COMPARISON.finditer(expression):
+            found.append(
+                (match.group("a") or match.group("b"), pointer("spec", "selectors", index, "cel", "expression"))
+            )
+    return found
+
+
+def gpu_class_coverage(device_class: dict[str, Any], policy: PolicyConfig) -> list[Violation]:
+    """SG009: a DeviceClass that hands out a GPU driver's devices under a name the policy does not count as a
+    GPU class would put its claims out of every guard (no finalizer, tolerations and adminAccess allowed).
+    Excluded classes (vfio-pci) are the operator's explicit choice. A GPU class advertised as an extended
+    resource (KEP-5004) must be one the policy knows, or pods asking for it would not count as GPU pods."""
+    name = as_str(metadata(device_class).get("name"))
+    if policy.is_excluded_class(name):
+        return []
+    found: list[Violation] = []
+    gpu_drivers = [(driver, path) for driver, path in selected_drivers(device_class) if driver in policy.gpu_drivers]
+    is_gpu = policy.is_gpu_class(name)
+    if gpu_drivers and not is_gpu:
+        driver, path = gpu_drivers[0]
+        found.append(
+            (
+                f"DeviceClass {name!r} selects devices of the GPU driver {driver}, but scrubgate's policy does not "
+                f"count it as a GPU class, so its claims would get no scrub: add {name!r} to gpuDeviceClasses in "
+                f"the scrubgate policy (or to excludeDeviceClasses if no agent can scrub its devices), then create it",
+                path,
+                (),
+            )
+        )
+    extended = as_str(as_dict(device_class.get("spec")).get("extendedResourceName"))
+    if extended and (is_gpu or gpu_drivers) and not policy.is_gpu_extended_resource(extended):
+        found.append(
+            (
+                f"DeviceClass {name!r} is a GPU class offered as the extended resource {extended!r}, which "
+                f"scrubgate's policy does not list: add {extended!r} to gpuExtendedResources in the scrubgate "
+                f"policy so that pods asking for it are guarded as GPU pods",
+                "/spec/extendedResourceName",
+                (),
+            )
+        )
+    return found
+
+
+def tenancy_label(
+    obj: dict[str, Any], old: dict[str, Any] | None, username: str, groups: tuple[str, ...], policy: PolicyConfig
+) -> tuple[list[Violation], list[Violation]]:
+    """SG010 on a Namespace CREATE or UPDATE that sets, changes or removes the tenancy label: `trusted`
+    switches SG001, SG006 and SG002 for pods off in the namespace, so only the policy's admin groups may
+    change it, and every change is recorded. Returns (violations, admin changes to audit)."""
+    label = policy.tenancy.label
+
+    def value(namespace: dict[str, Any] | None) -> str | None:
+        labels = as_dict(metadata(namespace or {}).get("labels"))
+        return as_str(labels[label]) if label in labels else None
+
+    before, after = value(old), value(obj)
+    if before == after:
+        return [], []
+    name = as_str(metadata(obj).get("name"))
+    change = f"{label} of namespace {name!r} from {before!r} to {after!r}"
+    path = pointer("metadata", "labels", label)
+    if any(group in policy.admin_groups for group in groups):
+        return [], [(f"admin {username!r} changed {change}", path, ())]
+    return [
+        (
+            f"user {username!r} changed {change}: only members of the policy's admin groups "
+            f"({', '.join(policy.admin_groups) or 'none configured'}) may set or remove it, since "
+            f"{label}={policy.tenancy.trusted_value} lifts scrubgate's multi-tenant rules in the namespace",
+            path,
+            (),
+        )
+    ], []
+
+
+def pod_group_claims(pod_group: dict[str, Any]) -> list[Violation]:
+    """SG002 for a PodGroup in a multi-tenant namespace: each of its `spec.resourceClaims` is one claim that
+    every pod of the group shares, and scrubbed only when the whole group is done."""
+    return [
+        (
+            f"PodGroup claim {as_str(as_dict(entry).get('name')) or '?'!r} is shared by every pod of the group: "
+            f"leave it out of the PodGroup and give each pod its own claim (resourceClaimTemplateName in the pod "
+            f"template), or run the group in a namespace labelled {names.TENANCY_LABEL}={names.TENANCY_TRUSTED}",
+            pointer("spec", "resourceClaims", index),
+            (),
+        )
+        for index, entry in enumerate(as_list(as_dict(pod_group.get("spec")).get("resourceClaims")))
+    ]
+
+
+def group_reservation(claim: dict[str, Any]) -> list[Violation]:
+    """SG002 for a GPU claim in a multi-tenant namespace reserved for a consumer that is not a pod (a PodGroup):
+    the pods behind it share the claim."""
+    return [
+        (
+            f"GPU ResourceClaim is reserved for {resource} {name!r}, not for one pod: its pods share the device; "
+            f"give each pod its own claim, or label the namespace {names.TENANCY_LABEL}={names.TENANCY_TRUSTED}",
+            "/status/reservedFor",
+            (),
+        )
+        for resource, name, _ in reserved_consumers(claim)
+        if resource != "pods"
     ]

@@ -40,9 +40,10 @@ RULES: dict[str, RuleMeta] = {
             "SG003",
             "grace-period",
             "deny",
-            "pod with DRA claims has no, or too short or too long, terminationGracePeriodSeconds",
+            "GPU pod has no (in manifests), or too short or too long, terminationGracePeriodSeconds",
             "Set spec.terminationGracePeriodSeconds between the policy's minimum and maximum so the containers "
-            "stop and the driver unprepares the device before the pod is reported terminal.",
+            "stop and the driver unprepares the device before the pod is reported terminal (the API server sets "
+            "30 where it is absent; `scrubgate check --fix` writes the policy's defaultSeconds).",
         ),
         RuleMeta(
             "SG004",
@@ -88,6 +89,24 @@ RULES: dict[str, RuleMeta] = {
             "force delete (grace period 0) of a pod that holds GPU claims",
             "Delete the pod with a grace period (omit --grace-period=0 --force) so the device is unprepared and "
             "scrubbed; only the policy's admin groups may force-delete such pods.",
+        ),
+        RuleMeta(
+            "SG009",
+            "gpu-class-coverage",
+            "deny",
+            "DeviceClass that selects a GPU driver's devices, or offers them as an extended resource, unknown to "
+            "the policy",
+            "Add the class to gpuDeviceClasses in the scrubgate policy (or to excludeDeviceClasses if no agent can "
+            "scrub its devices), and its extendedResourceName to gpuExtendedResources, so that its claims and "
+            "pods get scrubgate's guards.",
+        ),
+        RuleMeta(
+            "SG010",
+            "tenancy-label",
+            "deny",
+            "change of a namespace's scrubgate.dev/tenancy label by anyone but the policy's admin groups",
+            "Ask a member of the policy's admin groups to set or remove scrubgate.dev/tenancy: trusted turns the "
+            "multi-tenant rules (SG001, SG006, SG002 for pods) off in the namespace. Every change is audited.",
         ),
     )
 }

@@ -45,6 +45,7 @@ from .claims import (
     release_reason,
     scrub_status,
     slice_devices,
+    unscrubbable,
 )
 from .fences import Fencer
 from .gpu import GpuBackend
@@ -52,6 +53,7 @@ from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
 from .lanes import Lanes
 from .metrics import AgentMetrics
 from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, TransitionHook
+from .unguarded import add_missing_finalizer
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class Agent:
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
         self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
+        self._unscrubbable: set[DeviceKey] = set()  # devices already logged as not the agent's to scrub
         # Guards the maps above that the lanes change too (finished pods, releases, API backoffs).
         self._lock = threading.Lock()
         workers = settings.max_concurrent_teardowns
@@ -200,7 +203,8 @@ class Agent:
         devices: dict[DeviceKey, str | None] = {}
         for key, uuid in prepared.devices.items():
             known = self._slice(key)
-            devices[key] = uuid or (known.uuid if known else None)
+            if known is None or self._scrubbable(key, known):
+                devices[key] = uuid or (known.uuid if known else None)
         by_uuid = {d.uuid: k for k, d in self._slices.items() if d.uuid}
         for uuid in prepared.loose_uuids:
             if uuid in by_uuid:
@@ -350,14 +354,26 @@ class Agent:
         devices = []
         for key in keys:
             known = self._slice(key)
-            # Ours: a device of this node that names a GPU, or one our own annotation recorded.
-            if (known is not None and known.uuid) or key in recorded:
+            # Ours: a GPU of this node the agent can scrub, or one our own annotation recorded.
+            if (known is not None and self._scrubbable(key, known)) or key in recorded:
                 devices.append((key, (known.uuid if known else None) or recorded.get(key)))
         if not devices:
             return None
         ref = ClaimRef(namespace=meta.get("namespace") or "", name=meta.get("name") or "", uid=uid)
         # Health counts XIDs from the claim's creation: the agent may see the allocation late.
         return self._begin(ref, devices, source="cluster", since=created_at(claim))
+
+    def _scrubbable(self, key: DeviceKey, device: SliceDevice) -> bool:
+        """Whether the agent fences and scrubs this device of its node; one that it cannot scrub (a ComputeDomain
+        channel, a GPU bound to vfio-pci, no uuid) is left alone, since its fence would never be lifted and its
+        claim never attested. Said once per device."""
+        reason = unscrubbable(key, device)
+        if reason is not None and key not in self._unscrubbable:
+            self._unscrubbable.add(key)
+            log.warning(
+                "device %s on node %s is not scrubbed or fenced by scrubgate: %s", "/".join(key), self.node, reason
+            )
+        return reason is None
 
     def _begin(
         self, ref: ClaimRef, devices: list[tuple[DeviceKey, str | None]], source: str, since: float | None = None
@@ -378,6 +394,8 @@ class Agent:
             return
         if claim is None and td.claim.name:
             claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        if claim is not None and (claim.get("metadata") or {}).get("uid") == td.claim.uid:
+            add_missing_finalizer(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
         reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason is None and claim is not None:
             self._note_ended_consumers(claim)

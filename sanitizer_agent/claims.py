@@ -13,13 +13,32 @@ from scrubgate.policies import names
 
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 
+# NVIDIA's DRA driver publishes every GPU under this driver name; its `type` attribute tells a GPU or MIG
+# device (memory the agent scrubs through NVML and CUDA) from a GPU bound to vfio-pci for passthrough (no
+# NVML, no CUDA: the agent cannot reach its memory). ComputeDomain channels come from another driver.
+GPU_DRIVER = "gpu.nvidia.com"
+SCRUBBABLE_TYPES = frozenset({"gpu", "mig"})
+
 
 @dataclass(frozen=True)
 class SliceDevice:
-    """A device this node publishes: its GPU UUID and, for a MIG device, the parent GPU's."""
+    """A device this node publishes: its GPU UUID and, for a MIG device, the parent GPU's; `type` as NVIDIA's
+    driver publishes it (`gpu`, `mig`, `vfio`), None where the slice has none."""
 
     uuid: str | None
     parent_uuid: str | None
+    type: str | None = None
+
+
+def unscrubbable(key: DeviceKey, device: SliceDevice) -> str | None:
+    """Why the agent cannot scrub this device of its node, or None when it can."""
+    if key[0] != GPU_DRIVER:
+        return f"driver {key[0]} is not NVIDIA's GPU driver ({GPU_DRIVER}): no GPU memory the agent can reach"
+    if device.type is not None and device.type not in SCRUBBABLE_TYPES:
+        return f"type {device.type} (a GPU bound to vfio-pci for passthrough): NVML and CUDA cannot reach its memory"
+    if not device.uuid:
+        return "no uuid attribute in this node's ResourceSlices: the agent cannot tell which GPU it is"
+    return None
 
 
 def _meta(obj: dict[str, Any]) -> dict[str, Any]:
@@ -51,14 +70,18 @@ def parse_device_ref(text: str) -> DeviceKey | None:
 
 
 def pod_claim_names(pod: dict[str, Any]) -> list[str]:
-    """Names of the ResourceClaims a pod uses: the ones it names, and the ones generated for it from
-    templates (`status.resourceClaimStatuses`, filled in by the resourceclaim controller)."""
+    """Names of the ResourceClaims a pod uses: the ones it names, the ones generated for it from templates
+    (`status.resourceClaimStatuses`, filled in by the resourceclaim controller), and the one the scheduler
+    created for its extended resources (`nvidia.com/gpu`, KEP-5004: `status.extendedResourceClaimStatus`, one
+    object; such a pod has no `spec.resourceClaims`)."""
+    status = _dict(pod.get("status"))
+    entries = [
+        *_list(_dict(pod.get("spec")).get("resourceClaims")),
+        *_list(status.get("resourceClaimStatuses")),
+        status.get("extendedResourceClaimStatus"),
+    ]
     found: list[str] = []
-    for entry in _list(_dict(pod.get("spec")).get("resourceClaims")):
-        name = _dict(entry).get("resourceClaimName")
-        if isinstance(name, str) and name:
-            found.append(name)
-    for entry in _list(_dict(pod.get("status")).get("resourceClaimStatuses")):
+    for entry in entries:
         name = _dict(entry).get("resourceClaimName")
         if isinstance(name, str) and name:
             found.append(name)
@@ -116,16 +139,15 @@ def scrub_status(claim: dict[str, Any]) -> str | None:
 def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Container[str]) -> str | None:
     """Why the claim no longer holds its devices, or None while it does.
 
-    Released: the claim is gone (or replaced by a new one of that name), being deleted, deallocated,
-    reserved for nobody, or reserved only for pods that are terminal or deleted.
+    Released: the claim is gone (or replaced by a new one of that name), deallocated, reserved for nobody,
+    or reserved only for pods that are terminal or deleted. A claim being deleted is not released by that: the
+    API server only stops new reservations, and the pods already reserved keep running on its devices.
     """
     if claim is None:
         return "claim deleted"
     meta = _meta(claim)
     if meta.get("uid") != uid:
         return "claim deleted (a new claim now has its name)"
-    if meta.get("deletionTimestamp"):
-        return "claim is being deleted"
     status = _dict(claim.get("status"))
     if not status.get("allocation"):
         return "allocation cleared"
@@ -173,6 +195,28 @@ def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> lis
     ]
 
 
+def finalizer_addition_ops(claim: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """JSON patch adding `scrubgate.dev/sanitize`, failing if the claim's finalizers changed since it was read
+    (where it has none, if anything changed); None when it is there already, or the claim is being deleted (the
+    API server refuses new finalizers then)."""
+    meta = _meta(claim)
+    finalizers = meta.get("finalizers")
+    if (isinstance(finalizers, list) and names.FINALIZER in finalizers) or meta.get("deletionTimestamp"):
+        return None
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
+    if isinstance(finalizers, list):
+        return [
+            *ops,
+            {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": names.FINALIZER},
+        ]
+    return [
+        *ops,
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "add", "path": "/metadata/finalizers", "value": [names.FINALIZER]},
+    ]
+
+
 def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
@@ -214,6 +258,7 @@ def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevi
             found[(driver, pool, name)] = SliceDevice(
                 uuid=_string_attribute(attributes, driver, "uuid"),
                 parent_uuid=_string_attribute(attributes, driver, "parentUUID"),
+                type=_string_attribute(attributes, driver, "type"),
             )
     return found
 

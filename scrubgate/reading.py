@@ -70,6 +70,9 @@ class _Reader:
         self.found: dict[int, CheckedObject] = {}
 
     def settle(self, doc: Document) -> None:
+        if _kind_without_api_version(doc):
+            doc.locate([""])  # an input error on its line, not checked
+            return
         name = labelled_trusted(doc, self.policy)
         if name is not None and self.overrides.get(name, True):
             self.trusted.add(name)
@@ -91,9 +94,21 @@ def read_files(files: list[str], policy: PolicyConfig, overrides: Mapping[str, b
             continue
         reader.found = {}  # a file read again after a syntax error is settled again
         documents, errors = read_documents(display_name(file), text, reader.settle)
-        part.checked += [reader.found[id(doc)] for doc in documents]
-        part.errors += errors
+        part.checked += [reader.found[id(doc)] for doc in documents if not _kind_without_api_version(doc)]
+        part.errors += errors + [_missing_api_version(doc) for doc in documents if _kind_without_api_version(doc)]
     return part
+
+
+def _kind_without_api_version(doc: Document) -> bool:
+    return "kind" in doc.obj and doc.obj.get("apiVersion") in (None, "")
+
+
+def _missing_api_version(doc: Document) -> InputError:
+    """kubectl refuses an object without apiVersion; passing over it in silence would check less than is applied."""
+    where = f"items[{doc.prefix[-1]}] of document {doc.index}" if doc.prefix else f"document {doc.index}"
+    return InputError(
+        doc.file, doc.line_of(""), f"{where} has kind {doc.obj.get('kind')!r} but no apiVersion: add its apiVersion"
+    )
 
 
 def read_all(files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool]) -> Iterator[Part]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from memcluster import InMemoryCluster
 from scrubgate.policies import names
 from scrubgate.policies.attestation import (
     AttestationError,
@@ -23,7 +24,6 @@ from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardow
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
 from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
-from scrubgate.sanitizer_agent.memcluster import InMemoryCluster
 from scrubgate.sanitizer_agent.rescrub import request_dir
 from scrubgate.sanitizer_agent.teardown import Signer, TeardownSettings
 
@@ -344,8 +344,10 @@ def eventually(check: Callable[[], object], what: str, timeout: float = 30.0, al
 
 def seed_api(node: GpuNode, cluster: Any, core: Any) -> dict[str, Any]:
     """Puts the node, its ResourceSlice and a running pod holding claim team-a/train (allocated gpu-0, with
-    the webhook's finalizer) into a real API (devcluster) through `cluster` (KubernetesClusterClient)."""
+    the webhook's finalizer) into a real kube-apiserver through `cluster` (KubernetesClusterClient). No
+    controller runs: the test plays them."""
     core.create_namespace({"metadata": {"name": "team-a"}})
+    core.create_namespaced_service_account("team-a", {"metadata": {"name": "default"}})
     core.create_node({"metadata": {"name": NODE}})
     for resource_slice in node.cluster.slices:
         cluster._call("POST", "/apis/resource.k8s.io/v1/resourceslices", body=resource_slice)

@@ -67,10 +67,12 @@ def cluster_fixture(cluster_factory: Callable[..., Cluster]) -> Cluster:
 # ---------------------------------------------------------------------- tenants
 
 
-def tenant_namespace(cluster: Cluster, prefix: str = "team", trusted: bool = False) -> str:
+def tenant_namespace(
+    cluster: Cluster, prefix: str = "team", trusted: bool = False, labels: dict[str, str] | None = None
+) -> str:
     """A new namespace (multi-tenant unless ``trusted``); the name is unique within the cluster."""
     name = f"{prefix}-{next(_seq)}"
-    cluster.create_namespace(name, trusted=trusted)
+    cluster.create_namespace(name, trusted=trusted, labels=labels)
     return name
 
 
@@ -103,10 +105,10 @@ def tenant_job(
     run_seconds: float | None = None,
     grace: int = 60,
 ) -> str:
-    """The pod of a Job (the test plays the Job controller: the stand-in serves no Jobs); returns its name."""
+    """A Job created by ``user``; returns the name of the pod kube-controller-manager's Job controller made."""
     annotations = workloads.workload_annotations(canary, look_for, run_seconds)
     job = workloads.job(name, namespace, template=template, grace=grace, annotations=annotations)
-    return cluster.core(user).create_namespaced_pod(namespace, workloads.job_pod(job)).metadata.name
+    return cluster.create_job(user, job)
 
 
 def tenant_pod(

@@ -9,13 +9,12 @@ import sys
 import pytest
 from agent_support import CANARY, NODE, eventually, finalizer_removed, make_node, seed_api
 from cryptography.hazmat.primitives import serialization
+from k8s_support import api_server
 from kubernetes import client
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.kube import KubernetesClusterClient
-
-from devcluster.apiserver import ApiServer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -31,15 +30,9 @@ def test_agent_process_fences_scrubs_attests_and_stops_on_sigterm(tmp_path):
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
-    with ApiServer().start() as server:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            "apiVersion: v1\nkind: Config\ncurrent-context: dev\n"
-            f"clusters: [{{name: dev, cluster: {{server: '{server.url}'}}}}]\n"
-            "users: [{name: dev, user: {}}]\n"
-            "contexts: [{name: dev, context: {cluster: dev, user: dev}}]\n"
-        )
-        api = client.ApiClient(client.Configuration(host=server.url))
+    with api_server(tmp_path) as plane:
+        kubeconfig = plane.credentials["admin"].kubeconfig
+        api = plane.admin_client()
         cluster = KubernetesClusterClient(api)
         core = client.CoreV1Api(api)
         seed_api(node, cluster, core)

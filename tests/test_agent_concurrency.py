@@ -10,14 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from scrubgate.policies import names
-from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
-from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, ClaimRef, State, Teardown
-from scrubgate.sanitizer_agent.cli import add_arguments
-from scrubgate.sanitizer_agent.lanes import Lanes
-from scrubgate.sanitizer_agent.rescrub import request_dir
-
-from tests.agent_support import (
+from agent_support import (
     NODE,
     Crash,
     CrashPlan,
@@ -26,6 +19,12 @@ from tests.agent_support import (
     make_node,
     restart_and_finish,
 )
+from scrubgate.policies import names
+from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
+from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, ClaimRef, State, Teardown
+from scrubgate.sanitizer_agent.cli import add_arguments
+from scrubgate.sanitizer_agent.lanes import Lanes
+from scrubgate.sanitizer_agent.rescrub import request_dir
 
 WAIT_S = 10.0
 

@@ -1,5 +1,5 @@
 """The agent's Kubernetes side: reading claims, pods and slices; fence discovery and its fallbacks; the real
-KubernetesClusterClient over HTTP against the API stand-in (devcluster), including a whole teardown."""
+KubernetesClusterClient against a real kube-apiserver (tests/k8s_support.py), including a whole teardown."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import urllib.request
 import jsonpatch
 import pytest
 from agent_support import CANARY, DRIVER, NODE, claim_annotations, eventually, finalizer_removed, make_node, seed_api
+from k8s_support import api_server
 from kubernetes import client
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation
@@ -19,9 +20,6 @@ from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.kube import Conflict, KubernetesClusterClient
 from scrubgate.sanitizer_agent.metrics import serve
-
-from devcluster.apiserver import ApiServer
-from devcluster.resources import Surface
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +36,10 @@ def test_release_reasons():
     assert claims.release_reason(claim, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason(None, "u1", set()) == "claim deleted"
     assert claims.release_reason({**claim, "metadata": {"uid": "u2"}}, "u1", set()).startswith("claim deleted")
+    # Deletion only stops new reservations: the reserved pod keeps running on the device.
     deleting = {**claim, "metadata": {"uid": "u1", "deletionTimestamp": "2025-01-01T00:00:00Z"}}
-    assert claims.release_reason(deleting, "u1", set()) == "claim is being deleted"
+    assert claims.release_reason(deleting, "u1", set()) is None
+    assert claims.release_reason(deleting, "u1", {"p1"}) == "pod p terminal or deleted"
     assert claims.release_reason({**claim, "status": {"reservedFor": claim["status"]["reservedFor"]}}, "u1", set()) == (
         "allocation cleared"
     )
@@ -80,6 +80,26 @@ def test_pod_claim_names_cover_named_and_generated_claims():
         "status": {"resourceClaimStatuses": [{"name": "b", "resourceClaimName": "pod-b-xyz"}, {"name": "c"}]},
     }
     assert claims.pod_claim_names(pod) == ["shared", "pod-b-xyz"]
+    extended = {"status": {"extendedResourceClaimStatus": {"resourceClaimName": "pod-gpu-4xq", "requestMappings": []}}}
+    assert claims.pod_claim_names(extended) == ["pod-gpu-4xq"]
+
+
+def test_finalizer_addition_keeps_other_finalizers_and_fails_on_a_change():
+    bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}  # the API omits an empty list
+    assert jsonpatch.apply_patch(bare, claims.finalizer_addition_ops(bare))["metadata"]["finalizers"] == [
+        names.FINALIZER
+    ]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "resourceVersion": "6"}}, claims.finalizer_addition_ops(bare))
+    theirs = {"metadata": {"uid": "u", "finalizers": ["theirs"]}}
+    ops = claims.finalizer_addition_ops(theirs)
+    assert jsonpatch.apply_patch(theirs, ops)["metadata"]["finalizers"] == ["theirs", names.FINALIZER]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs", "new"]}}, ops)
+    assert claims.finalizer_addition_ops({"metadata": {"uid": "u", "finalizers": [names.FINALIZER]}}) is None
+    assert (
+        claims.finalizer_addition_ops({"metadata": {"uid": "u", "deletionTimestamp": "2025-01-01T00:00:00Z"}}) is None
+    )
 
 
 def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
@@ -217,26 +237,34 @@ def test_weak_fence_failure_keeps_both_node_taints(tmp_path):
 # ---------------------------------------------------------------- the real client over HTTP
 
 
-@pytest.mark.parametrize(
-    ("served", "expected"),
-    [
-        (("v1", "v1beta2", "v1alpha3"), "v1"),
-        (("v1beta2", "v1alpha3"), "v1beta2"),
-        (("v1alpha3",), "v1alpha3"),
-        ((), None),
-    ],
-    ids=["v1", "v1beta2", "v1alpha3", "none"],
-)
-def test_real_client_discovers_the_device_taint_rule_version(served, expected):
-    with ApiServer(surface=Surface(taint_rule_versions=served)).start() as server:
-        cluster = KubernetesClusterClient(client.ApiClient(client.Configuration(host=server.url)))
-        assert cluster.device_taint_rule_version() == expected
+TAINT_RULE_VERSIONS = ("v1", "v1beta2", "v1alpha3")
 
 
-def test_real_client_whole_teardown_against_the_api_stand_in(tmp_path):
-    node = make_node(tmp_path)  # its GPUs; the cluster is devcluster's, over HTTP
-    with ApiServer().start() as server:
-        api = client.ApiClient(client.Configuration(host=server.url))
+@pytest.mark.parametrize("disabled", [0, 1, 2, 3], ids=["all", "no-v1", "v1alpha3-only", "none"])
+def test_real_client_discovers_the_device_taint_rule_version(tmp_path, disabled):
+    """DeviceTaintRule switched off in the newest ``disabled`` versions (--runtime-config): the agent picks the
+    newest version the API server still serves it in, as its discovery documents show."""
+    off = tuple(f"resource.k8s.io/{v}/devicetaintrules=false" for v in TAINT_RULE_VERSIONS[:disabled])
+    with api_server(tmp_path, off) as plane:
+        api = plane.admin_client()
+        served = [
+            v
+            for v in TAINT_RULE_VERSIONS
+            if any(
+                r["name"] == "devicetaintrules"
+                for r in json.loads(api.call_api(*api.param_serialize("GET", f"/apis/resource.k8s.io/{v}")).read())[
+                    "resources"
+                ]
+            )
+        ]
+        assert not set(served) & set(TAINT_RULE_VERSIONS[:disabled])
+        assert KubernetesClusterClient(api).device_taint_rule_version() == (served[0] if served else None)
+
+
+def test_real_client_whole_teardown_against_the_api_server(tmp_path):
+    node = make_node(tmp_path)  # its GPUs; the cluster is a real kube-apiserver
+    with api_server(tmp_path) as plane:
+        api = plane.admin_client()
         cluster = KubernetesClusterClient(api)
         core = client.CoreV1Api(api)
         claim = seed_api(node, cluster, core)
@@ -283,8 +311,8 @@ def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_
     """list_claims (all namespaces) and get_pod (404 is None) over HTTP: the pod is deleted before the agent
     ever runs, and its claim, still allocated, is found, scrubbed and released at start."""
     node = make_node(tmp_path)
-    with ApiServer().start() as server:
-        api = client.ApiClient(client.Configuration(host=server.url))
+    with api_server(tmp_path) as plane:
+        api = plane.admin_client()
         cluster = KubernetesClusterClient(api)
         core = client.CoreV1Api(api)
         claim = seed_api(node, cluster, core)
@@ -318,7 +346,7 @@ def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_
         )
 
 
-def test_real_client_replaces_a_rule_that_took_a_fences_name_with_another_spec(caplog):
+def test_real_client_replaces_a_rule_that_took_a_fences_name_with_another_spec(tmp_path, caplog):
     """Fence names are predictable: one created first under that name, doing something else, must not pass
     for the fence. The same fence created again is left as it is."""
     fence = {
@@ -329,8 +357,8 @@ def test_real_client_replaces_a_rule_that_took_a_fences_name_with_another_spec(c
         },
     }
     decoy = {**fence, "spec": {**fence["spec"], "taint": {"key": "example.com/harmless", "effect": "NoSchedule"}}}
-    with ApiServer().start() as server:
-        cluster = KubernetesClusterClient(client.ApiClient(client.Configuration(host=server.url)))
+    with api_server(tmp_path) as plane:
+        cluster = KubernetesClusterClient(plane.admin_client())
         path = "/apis/resource.k8s.io/v1/devicetaintrules/scrubgate-unsanitized-test"
         cluster.create_device_taint_rule("v1", decoy)
         cluster.create_device_taint_rule("v1", fence)

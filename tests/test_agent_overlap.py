@@ -6,32 +6,24 @@ verified scrub."""
 from __future__ import annotations
 
 import json
-import threading
 
+import e2e_support
 import pytest
 from agent_support import (
     CANARY,
     DRIVER,
-    NODE,
     CrashPlan,
     eventually,
     make_node,
     restart_and_finish,
     run_crashing,
 )
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from kubernetes import client
 from scrubgate.policies import names
 from scrubgate.policies.attestation import verify
 from scrubgate.sanitizer_agent import claims, rescrub
-from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
-from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
+from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
 from scrubgate.sanitizer_agent.gpu import simulated
-from scrubgate.sanitizer_agent.kube import KubernetesClusterClient
-from scrubgate.sanitizer_agent.teardown import Signer, TeardownSettings
-
-from devcluster.apiserver import ApiServer
 
 GPU, SLICE, SIBLING = 0, 1, 2  # make_node(gpus=1, mig_per_gpu=2): gpu-0 and its slices mig-1, mig-2
 
@@ -225,94 +217,60 @@ def test_restart_fences_what_a_checkpoint_without_overlaps_missed(tmp_path):
     assert node.violations.found == []
 
 
-# ---------------------------------------------------------------- the scheduler's view (devcluster)
+# ---------------------------------------------------------------- the real scheduler's view
+
+cluster_factory_fixture = e2e_support.cluster_factory_fixture
 
 
-@pytest.mark.timeout(60)
-def test_scheduler_does_not_hand_out_the_parent_gpu_while_the_slice_is_dirty(tmp_path):
-    """Real scheduler, resourceclaim controller, kubelet and NVIDIA-like driver (devcluster), the agent over
-    HTTP: a tenant's MIG slice fails its scrub; its claim is deallocated, so the GPU's counters are free,
-    yet a pod asking for a full GPU stays pending until the slice is verified clean."""
-    root = tmp_path / "gpus"
-    simulated.create_inventory(root, gpus=1, mig_per_gpu=1, memory_bytes=1 << 16)
-    mig = next(d for d in simulated.SimulatedGpu(root).list_devices() if d.is_mig)
-    checkpoint = tmp_path / "agent-checkpoint.json"
-    with ApiServer(control_plane=True, nodes={NODE: root}).start() as server:
-        api = client.ApiClient(client.Configuration(host=server.url))
-        core, resource = client.CoreV1Api(api), client.ResourceV1Api(api)
-        core.create_namespace({"metadata": {"name": "team-a"}})
-        for template, device_class in (("one-mig", "mig.nvidia.com"), ("one-gpu", "gpu.nvidia.com")):
-            resource.create_namespaced_resource_claim_template("team-a", {
-                "metadata": {"name": template},
-                "spec": {"spec": {"devices": {"requests": [
-                    {"name": "gpu", "exactly": {"deviceClassName": device_class}}]}}},
-            })  # fmt: skip
-        cluster = KubernetesClusterClient(api)
-        agent = Agent(
-            AgentSettings(
-                node=NODE,
-                nvidia_checkpoint=None,
-                resync_s=0.2,
-                rescrub_dir=rescrub.request_dir(checkpoint),
-                teardown=TeardownSettings(max_attempts=1),  # a failure waits for the operator
-            ),
-            cluster=cluster,
-            backend=simulated.SimulatedGpu(root),
-            store=CheckpointStore(checkpoint, NODE),
-            signer=Signer(Ed25519PrivateKey.generate(), "overlap-test"),
-        )
-        stop = threading.Event()
-        runner = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-        runner.start()
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_scheduler_does_not_hand_out_the_parent_gpu_while_the_slice_is_dirty(cluster_factory):
+    """kube-scheduler, the resourceclaim controller, the kubelet stand-in and the NVIDIA-like driver, the
+    agent as a process: a tenant's MIG slice fails its scrub; its claim is deallocated, so the GPU's counters
+    are free, yet a pod asking for a full GPU stays pending until the slice is verified clean."""
+    cluster = cluster_factory(
+        gpus=1, mig_per_gpu=1, agent_args=["--resync", "1", "--max-attempts", "1", "--drain-timeout", "10"]
+    )
+    mig = next(d for d in cluster.gpus() if d.is_mig)
+    ns = e2e_support.tenant_namespace(cluster, "overlap")
+    e2e_support.create_template(cluster, "alice", ns, "one-mig", device_class="mig.nvidia.com")
+    e2e_support.create_template(cluster, "alice", ns, "one-gpu", device_class="gpu.nvidia.com")
 
-        def fences() -> dict[str, set[str]]:
-            """device -> the taint keys DeviceTaintRules put on it"""
-            found: dict[str, set[str]] = {}
-            for rule in cluster._call("GET", "/apis/resource.k8s.io/v1/devicetaintrules")["items"]:
-                found.setdefault(rule["spec"]["deviceSelector"]["device"], set()).add(rule["spec"]["taint"]["key"])
-            return found
+    def fences() -> dict[str, set[str]]:
+        """device -> the taint keys DeviceTaintRules put on it"""
+        found: dict[str, set[str]] = {}
+        for rule in cluster.taint_rules():
+            found.setdefault(rule["spec"]["deviceSelector"]["device"], set()).add(rule["spec"]["taint"]["key"])
+        return found
 
-        try:
-            eventually(lambda: agent.healthy()[0], "the agent's first tick")
-            simulated.inject_fault(root, mig.uuid, "scrub_error", "CUDA_ERROR_ILLEGAL_ADDRESS")
-            core.create_namespaced_pod("team-a", _pod("slice-tenant", "one-mig", {
-                "devcluster.scrubgate.dev/canary": CANARY.decode(), "devcluster.scrubgate.dev/run-seconds": "1"}))  # fmt: skip
-            eventually(lambda: "gpu-0" in fences(), "the fences")
-            assert set(fences()) == {"gpu-0", "gpu-0-mig-0"}, "the slice and, for its memory, the GPU"
-            eventually(lambda: names.TAINT_SCRUB_FAILED in fences().get("gpu-0-mig-0", set()), "the failed scrub")
-            eventually(lambda: not resource.list_namespaced_resource_claim("team-a").items, "the claim's release")
-            assert CANARY in simulated.read(root, mig.uuid), "the slice is still dirty"
+    cluster.inject_fault(mig.uuid, "scrub_error", "CUDA_ERROR_ILLEGAL_ADDRESS")
+    e2e_support.tenant_pod(
+        cluster, "alice", ns, "slice-tenant", template="one-mig", canary=CANARY.decode(), run_seconds=1
+    )
+    eventually(lambda: "gpu-0" in fences(), "the fences")
+    assert set(fences()) == {"gpu-0", "gpu-0-mig-0"}, "the slice and, for its memory, the GPU"
+    eventually(lambda: names.TAINT_SCRUB_FAILED in fences().get("gpu-0-mig-0", set()), "the failed scrub", timeout=60)
+    assert CANARY in cluster.gpu_memory(mig.uuid), "the slice is still dirty"
 
-            core.create_namespaced_pod("team-a", _pod("gpu-tenant", "one-gpu", {}))
-            eventually(lambda: "untainted" in _unschedulable(core, "gpu-tenant"), "the scheduler's verdict")
-            assert "0 of 1 untainted, free 'gpu.nvidia.com' devices" in _unschedulable(core, "gpu-tenant")
-            assert core.read_namespaced_pod("gpu-tenant", "team-a").spec.node_name is None
+    e2e_support.tenant_pod(cluster, "alice", ns, "gpu-tenant", template="one-gpu")
+    eventually(lambda: _unschedulable(cluster, ns, "gpu-tenant"), "the scheduler's verdict", timeout=60)
+    assert not (cluster.pod(ns, "gpu-tenant") or {}).get("spec", {}).get("nodeName")
 
-            simulated.clear_faults(root)
-            rescrub.submit(checkpoint, mig.uuid)  # the operator, once the GPU is fixed
-            eventually(lambda: core.read_namespaced_pod("gpu-tenant", "team-a").spec.node_name == NODE, "binding")
-            assert simulated.read(root, mig.uuid).count(0) == simulated.memory_size(root, mig.uuid)
-            (gpu_claim,) = resource.list_namespaced_resource_claim("team-a").items
-            assert [(r.driver, r.device) for r in gpu_claim.status.allocation.devices.results] == [(DRIVER, "gpu-0")]
-        finally:
-            stop.set()
-            runner.join(timeout=10)
+    cluster.clear_faults()
+    rescrub.submit(cluster.paths.checkpoint, mig.uuid)  # the operator, once the GPU is fixed
+    eventually(lambda: (cluster.pod(ns, "gpu-tenant") or {}).get("spec", {}).get("nodeName") == cluster.node,
+               "binding", timeout=60)  # fmt: skip
+    assert cluster.gpu_memory(mig.uuid).count(0) == len(cluster.gpu_memory(mig.uuid))
+    gpu_claim = cluster.claim(ns, e2e_support.wait_for(lambda: cluster.pod_claim(ns, "gpu-tenant"), 30, "its claim"))
+    assert [(r["driver"], r["device"]) for r in gpu_claim["status"]["allocation"]["devices"]["results"]] == [
+        (DRIVER, "gpu-0")
+    ]
+    e2e_support.assert_invariant(cluster)
 
 
-def _pod(name: str, template: str, annotations: dict[str, str]) -> dict:
-    return {
-        "metadata": {"name": name, "annotations": annotations},
-        "spec": {
-            "restartPolicy": "Never",
-            "containers": [{"name": "c", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
-        },
-    }
-
-
-def _unschedulable(core: client.CoreV1Api, name: str) -> str:
-    pod = core.read_namespaced_pod(name, "team-a")
-    for condition in pod.status.conditions or []:
-        if condition.type == "PodScheduled" and condition.reason == "Unschedulable":
-            return condition.message or ""
+def _unschedulable(cluster, namespace: str, name: str) -> str:
+    pod = cluster.pod(namespace, name) or {}
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return condition.get("message") or ""
     return ""

@@ -64,7 +64,11 @@ def test_each_kind_of_release_starts_the_teardown(tmp_path, release):
         node.cluster.deallocate("team-a", "job")
         agent.resync()
     else:
+        # Deleted, and no longer reserved: the pod went without the agent seeing it (deletion alone releases
+        # nothing while a reserved pod runs: test_agent_release.py).
         node.cluster.delete_claim("team-a", "job")
+        node.cluster.pods.pop(uid)
+        node.cluster.claims[("team-a", "job")]["status"]["reservedFor"] = []
         agent.resync()
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules

@@ -136,7 +136,7 @@ def test_fix_of_a_file_with_an_unreadable_document_leaves_it_and_keeps_its_findi
     assert (work / "broken.yaml").read_text() == broken
     assert "broken.yaml: cannot apply the fixes, file left as it is" in err
     # The finding that was not fixed is still reported; the other file was fixed.
-    assert "SG003 grace-period  Pod t/a: pod spec with DRA claims has no terminationGracePeriodSeconds" in err
+    assert "SG003 grace-period  Pod t/a: GPU pod spec has no terminationGracePeriodSeconds" in err
     assert "terminationGracePeriodSeconds: 60" in (work / "tree" / "a.yaml").read_text()
 
 

@@ -67,7 +67,7 @@ def test_sarif_is_valid_2_1_0_with_one_rule_per_sg_rule(run_cli, sarif_schema):
     assert log["version"] == "2.1.0"
     [run] = log["runs"]
     rules = run["tool"]["driver"]["rules"]
-    assert [r["id"] for r in rules] == [f"SG00{i}" for i in range(1, 9)]
+    assert [r["id"] for r in rules] == [f"SG{i:03d}" for i in range(1, 11)]
     for rule in rules:
         assert rule["name"] == RULES[rule["id"]].name
         assert rule["help"]["text"] == RULES[rule["id"]].help

@@ -194,6 +194,8 @@ def test_wrong_types_in_every_field_of_every_example(run_cli, tmp_path, policy):
             if not path:
                 continue
             for value in replacements:
+                if path == ("apiVersion",) and value is None:
+                    continue  # a kind without apiVersion is an input error (test_check_api_version)
                 doc = copy.deepcopy(seed)
                 node = doc
                 for part in path[:-1]:

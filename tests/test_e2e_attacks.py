@@ -44,8 +44,8 @@ from scrubgate.policies.attestation import (
     verify,
 )
 
-from devcluster import auth, workloads
-from devcluster.harness import Cluster, wait_for
+from devcluster import workloads
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, denial, wait_for
 from devcluster.observer import first_rv, is_allocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -84,7 +84,7 @@ class Record:
     name: str
 
 
-CLAIM_CONTROLLER = auth.CLAIM_CONTROLLER.username
+CLAIM_CONTROLLER = CLAIM_CONTROLLER_USER
 
 
 def deallocation(record: dict) -> bool:
@@ -93,8 +93,13 @@ def deallocation(record: dict) -> bool:
     return record.get("subResource") == "status" and record["user"] == CLAIM_CONTROLLER
 
 
+def namespace_set_up(record: dict) -> bool:
+    """The admin creating a trusted namespace for a test: SG010 audits every change of the tenancy label."""
+    return record["kind"] == "Namespace" and record["decision"] == "audit" and record["user"] == "kubernetes-admin"
+
+
 def attack_records(cluster: Cluster) -> list[dict]:
-    return [r for r in cluster.audit_records() if not deallocation(r)]
+    return [r for r in cluster.audit_records() if not deallocation(r) and not namespace_set_up(r)]
 
 
 def summary(record: dict) -> Record:
@@ -340,11 +345,13 @@ def test_a_tenant_cannot_remove_the_finalizer(cluster: Cluster, book: AuditBook,
         namespace=ns,
         name=name,
     )
-    # Through the status subresource the API server keeps metadata as it was: nothing to admit, nothing lost.
+    # The status subresource is not a tenant's to write: RBAC (`edit` grants no resourceclaims/status) refuses
+    # before admission, so nothing reaches the webhook or its audit log.
     status_path = cluster.resource_path("resourceclaims", ns, name, version="v1") + "/status"
-    book.allowed(
+    status, message = denial(
         lambda: cluster.request("PATCH", status_path, stripping(claim), user="alice", content_type=PATCH_TYPES["json"])
     )
+    assert status == 403 and "resourceclaims/status" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
     # Another tenant gets no further.
     book.denied(
@@ -510,6 +517,14 @@ def _tolerating(kind: str, name: str, shape: str, toleration: dict) -> dict:
 def test_a_tenant_cannot_tolerate_the_fence(cluster: Cluster, book: AuditBook, shape: str) -> None:
     ns, trusted = tenant_namespace(cluster, "tol"), tenant_namespace(cluster, "tol-trusted", trusted=True)
     version = shape.partition("-")[0]
+    if version not in cluster.served_versions():
+        # No claims in this version on this release (v1alpha3 keeps only DeviceTaintRule): no path around.
+        for kind in ("resourceclaimtemplates", "resourceclaims"):
+            body = _tolerating(kind, "x", shape, TOLERATIONS["every-taint"])
+            status, _ = denial(lambda kind=kind, body=body: cluster.request(
+                "POST", cluster.resource_path(kind, ns, version=version), body, user="alice"))  # fmt: skip
+            assert status == 404
+        return
     for namespace in (ns, trusted):  # tenancy does not matter: a tolerated fence lets in another's data
         for kind in ("resourceclaimtemplates", "resourceclaims"):
             for label, toleration in TOLERATIONS.items():
@@ -546,7 +561,11 @@ def test_a_pod_cannot_tolerate_the_node_fence(cluster: Cluster, book: AuditBook)
 
 @pytest.mark.parametrize("version", ["v1", "v1beta1"])
 def test_admin_access_only_in_a_trusted_namespace(cluster: Cluster, book: AuditBook, version: str) -> None:
-    shared, trusted = tenant_namespace(cluster, "adm"), tenant_namespace(cluster, "adm-trusted", trusted=True)
+    # Kubernetes (1.34+) itself refuses adminAccess outside namespaces an admin labelled for it; SG006 decides
+    # in those: only a single-tenant one may have it.
+    allowed = {"resource.kubernetes.io/admin-access": "true"}
+    shared = tenant_namespace(cluster, "adm", labels=allowed)
+    trusted = tenant_namespace(cluster, "adm-trusted", trusted=True, labels=allowed)
     for kind, build in (
         ("resourceclaimtemplates", workloads.claim_template),
         ("resourceclaims", workloads.resource_claim),
@@ -727,7 +746,9 @@ def _unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
     conditions = ((cluster.pod(namespace, pod) or {}).get("status") or {}).get("conditions") or []
     # Turned away for want of an untainted device, not while its claim was still being generated.
     return any(
-        c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" and "untainted" in c.get("message", "")
+        c["type"] == "PodScheduled"
+        and c.get("reason") == "Unschedulable"
+        and "cannot allocate all claims" in c.get("message", "")
         for c in conditions
     )
 

@@ -1,5 +1,5 @@
-"""Faults end to end, on the whole installation (API stand-in, real webhook, real agent as separate processes;
-devcluster.harness): kill -9 of the agent at each teardown step, an API outage mid-teardown, an unreachable
+"""Faults end to end, on the whole installation (the real control plane, real webhook, real agent as separate
+processes; devcluster.harness): kill -9 of the agent at each teardown step, an API outage mid-teardown, an unreachable
 webhook, every simulated GPU fault, a rotated serving certificate. After each: no device allocated to a new
 claim while dirty, no finalizer removed without a valid attestation, the audit chain intact and every
 denial the webhook made in it.
@@ -46,8 +46,16 @@ from scrubgate.policies.attestation import check_claim_attestation
 from scrubgate.sanitizer_agent.checkpoint import State, Teardown, read
 from scrubgate.sanitizer_agent.gpu import simulated
 
-from devcluster import auth, workloads
-from devcluster.harness import AGENT_USER, WEBHOOK_HOST, Cluster, ManagedProcess, denial, wait_for
+from devcluster import workloads
+from devcluster.harness import (
+    AGENT_USER,
+    CLAIM_CONTROLLER_USER,
+    WEBHOOK_HOST,
+    Cluster,
+    ManagedProcess,
+    denial,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -176,13 +184,14 @@ def next_tenant(cluster: Cluster, namespace: str, name: str, uuid: str | None, l
 
 
 def wait_unschedulable(cluster: Cluster, namespace: str, pod: str) -> str:
-    """The scheduler's verdict that no untainted, free device fits the pod; fails at once if it is bound."""
+    """kube-scheduler's verdict that no device it may allocate (untainted, free) fits the pod: its DRA plugin
+    says "cannot allocate all claims"; fails at once if the pod is bound."""
 
     def verdict() -> str:
         found = cluster.pod(namespace, pod) or {}
         assert not found["spec"].get("nodeName"), f"pod {namespace}/{pod} was given a device that must stay fenced"
         for cond in (found.get("status") or {}).get("conditions") or []:
-            if cond["type"] == "PodScheduled" and "untainted, free" in cond.get("message", ""):
+            if cond["type"] == "PodScheduled" and "cannot allocate all claims" in cond.get("message", ""):
                 return cond["message"]
         return ""
 
@@ -454,7 +463,7 @@ def test_a_claim_the_agent_never_saw_is_still_scrubbed(cluster_factory: Any) -> 
         WAIT_S,
         f"the deallocation of {held.claim} refused",
     )
-    assert refused[0]["user"] == auth.CLAIM_CONTROLLER.username
+    assert refused[0]["user"] == CLAIM_CONTROLLER_USER
     assert not deallocated(cluster, held), "the claim was deallocated with no attestation"
 
     cluster.agent.start()
@@ -476,10 +485,7 @@ def test_api_outage_mid_teardown(cluster: Cluster, crash: bool) -> None:
     held = hold_gpu(cluster, ns_a, "a", "one-gpu")
     hold_agent_at(cluster, held, "draining")
 
-    if crash:
-        cluster.api.kill()
-    else:
-        cluster.api.stop()
+    cluster.stop_api(crash=crash)
     cluster.clear_faults(held.uuid)
     # Without the API the agent scrubs and signs, then cannot write the attestation: it waits, fenced.
     wait_teardown(cluster, held, State.ATTESTED)

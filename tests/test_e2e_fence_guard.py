@@ -1,4 +1,4 @@
-"""The fence guard end to end (API stand-in, real webhook, real agent; devcluster.harness): a user who is
+"""The fence guard end to end (real control plane, real webhook, real agent; devcluster.harness): a user who is
 neither the agent nor an admin, but whom RBAC lets delete DeviceTaintRules, cannot lift the agent's fence
 on a GPU that a claim holds. The API server calls the fence webhook for the cluster-scoped rule and it
 refuses, under SG007, with one audit record; the agent itself still lifts the fence after its scrub.
@@ -58,7 +58,25 @@ def fence_deletions(cluster: Cluster, decision: str) -> float:
     )
 
 
+def grant_taint_rule_deletion(cluster: Cluster, user: str) -> None:
+    """RBAC that lets ``user`` delete any DeviceTaintRule (an operator role given too widely)."""
+    rbac = "rbac.authorization.k8s.io"
+    name = f"devicetaintrule-deleter-{user}"
+    rules = [{"apiGroups": ["resource.k8s.io"], "resources": ["devicetaintrules"], "verbs": ["get", "list", "delete"]}]
+    cluster.apply({"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules})
+    cluster.apply(
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name},
+            "subjects": [{"apiGroup": rbac, "kind": "User", "name": cluster.users[user].name}],
+        }
+    )
+
+
 def test_a_user_cannot_lift_the_agents_fence_but_the_agent_does(cluster: Cluster) -> None:
+    grant_taint_rule_deletion(cluster, "bob")
     ns = tenant_namespace(cluster, "fence")
     create_template(cluster, "alice", ns, "one-gpu")
     tenant_pod(cluster, "alice", ns, "trainer", template="one-gpu", canary="FENCE-SECRET-4411")

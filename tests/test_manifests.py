@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,8 @@ from scrubgate.certs import layout
 from scrubgate.certs.inject import count_webhooks, inject_yaml_text
 from scrubgate.policies import names
 
+from devcluster.harness import render_base
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 COMPONENT = MANIFESTS / "components" / "cert-manager"
@@ -30,14 +30,8 @@ Doc = dict[str, Any]
 
 
 def kustomize(directory: Path) -> list[Doc]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize base (install kubectl >= 1.27)")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+    """`kubectl kustomize`, with the kubectl `make cluster-bins` built."""
+    return render_base(directory)
 
 
 @pytest.fixture(scope="module")
@@ -190,37 +184,34 @@ def test_validating_rules(docs: list[Doc]):
     for group, resource in WORKLOADS:
         for op in ("CREATE", "UPDATE"):
             assert (group, "v1", resource, op) in rules
+    assert ("", "v1", "pods/eviction", "CREATE") in rules  # SG008 through the Eviction API
+    assert ("scheduling.k8s.io", "*", "podgroups", "CREATE") in rules  # SG002 for PodGroup-shared claims
     assert all(op != "CONNECT" and resource != "*" for _, _, resource, op in rules)
-    # Fences are cluster-scoped: here both tenancy webhooks would be called, and record each decision twice.
-    assert all(resource != "devicetaintrules" for _, _, resource, _ in rules)
+    # Cluster-scoped kinds: here both tenancy webhooks would be called, and record each decision twice.
+    assert all(resource not in ("devicetaintrules", "deviceclasses", "namespaces") for _, _, resource, _ in rules)
     assert {rule["scope"] for rule in by_name(docs)["validate-multi-tenant.scrubgate.dev"]["rules"]} == {"Namespaced"}
 
 
-def test_fence_webhook(docs: list[Doc]):
-    """One webhook of its own guards scrubgate's fences (SG007), untouched by the replacements that fill in
-    the tenancy webhooks' rules; CREATE is not sent (a new fence only fences more)."""
+def test_cluster_scoped_webhook(docs: list[Doc]):
+    """One webhook of its own takes the cluster-scoped kinds, untouched by the replacements that fill in the
+    tenancy webhooks' rules: scrubgate's fences (SG007; CREATE is not sent, a new fence only fences more),
+    DeviceClasses (SG009) and Namespaces (SG010)."""
     (hook,) = one(docs, "ValidatingWebhookConfiguration", "scrubgate-fences")["webhooks"]
     assert hook["name"] == "validate-fences.scrubgate.dev"
     assert hook["clientConfig"]["service"]["path"] == "/validate"
-    assert hook["rules"] == [
-        {
-            "apiGroups": [names.RESOURCE_GROUP],
-            "apiVersions": ["*"],  # every version that serves DeviceTaintRule
-            "operations": ["UPDATE", "DELETE"],
-            "resources": ["devicetaintrules"],
-            "scope": "Cluster",
-        }
-    ]
+    assert covered(hook) == {
+        *((names.RESOURCE_GROUP, "*", "devicetaintrules", op) for op in ("UPDATE", "DELETE")),
+        *((names.RESOURCE_GROUP, "*", "deviceclasses", op) for op in ("CREATE", "UPDATE")),  # every DRA version
+        *(("", "v1", "namespaces", op) for op in ("CREATE", "UPDATE")),
+    }
+    assert cluster_scoped(hook)
     assert hook["matchConditions"] == by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
 
 
 def test_mutating_rules(docs: list[Doc]):
-    rules = covered(by_name(docs)["mutate.scrubgate.dev"])
-    assert (names.RESOURCE_GROUP, "*", "resourceclaims", "CREATE") in rules
-    for group, resource in [("", "pods"), *WORKLOADS]:
-        for op in ("CREATE", "UPDATE"):
-            assert (group, "v1", resource, op) in rules
-    assert {op for *_, op in rules} == {"CREATE", "UPDATE"}
+    """Only GPU claims are mutated (the finalizer): the API server defaults a pod's grace period before any
+    webhook, so pods and workloads would only wait on the webhook for nothing."""
+    assert covered(by_name(docs)["mutate.scrubgate.dev"]) == {(names.RESOURCE_GROUP, "*", "resourceclaims", "CREATE")}
 
 
 # --- matchConditions, evaluated with a CEL implementation (cel-cpp, like the API server's cel-go) ------
@@ -254,15 +245,24 @@ def workload(resource: str, claims: bool) -> Doc:
     return {"metadata": {"name": "w"}, "spec": {"template": template}, "status": {}}
 
 
-def admission(group: str, resource: str, operation: str, obj: Doc | None, old: Doc | None) -> Doc:
-    return {
-        "request": {
-            "operation": operation,
-            "resource": {"group": group, "version": "v1", "resource": resource},
-        },
-        "object": obj,
-        "oldObject": old,
-    }
+def admission(
+    group: str,
+    resource: str,
+    operation: str,
+    obj: Doc | None,
+    old: Doc | None,
+    *,
+    subresource: str = "",
+    options: Doc | None = None,
+) -> Doc:
+    """The CEL variables of a request, as the API server builds them: an empty subResource is left out (its
+    JSON field is omitempty), `options` is the operation's options object."""
+    request: Doc = {"operation": operation, "resource": {"group": group, "version": "v1", "resource": resource}}
+    if subresource:
+        request["subResource"] = subresource
+    if options is not None:
+        request["options"] = options
+    return {"request": request, "object": obj, "oldObject": old}
 
 
 def reaches_webhook(cel_env: Any, hook: Doc, data: Doc) -> bool:
@@ -288,21 +288,158 @@ def taint_rule(key: str) -> Doc:
     }
 
 
+def delete_options(grace: int | None) -> Doc:
+    options: Doc = {"kind": "DeleteOptions", "apiVersion": "meta.k8s.io/v1"}
+    if grace is not None:
+        options["gracePeriodSeconds"] = grace
+    return options
+
+
+def gpu_pod(**status: Any) -> Doc:
+    pod = workload("pods", True)
+    pod["spec"]["nodeName"] = "node-a"
+    pod["status"] = {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}], **status}
+    return pod
+
+
+def running(pod: Doc) -> Doc:
+    return pod | {"spec": {**pod["spec"], "nodeName": "node-a"}, "status": {"phase": "Running"}}
+
+
+def extended_pod(resource: str, section: str = "limits", init: bool = False) -> Doc:
+    pod = workload("pods", False)
+    container = {"name": "x", "image": "i", "resources": {section: {"cpu": "1", resource: 1}}}
+    pod["spec"]["initContainers" if init else "containers"] = [container]
+    return pod
+
+
+def pod_deletes() -> Iterator[tuple[str, Doc, bool]]:
+    """SG008 decides a DELETE only for a force delete of a pod that may still run (item: outage blast radius)."""
+    terminating = gpu_pod(containerStatuses=[{"name": "c", "state": {"terminated": {"exitCode": 0}}}])
+    terminating["metadata"]["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    unscheduled = gpu_pod()
+    del unscheduled["spec"]["nodeName"]
+    shapes = [
+        ("force delete of a running GPU pod", gpu_pod(), delete_options(0), True),
+        ("plain delete (the API server put the pod's grace in)", gpu_pod(), delete_options(30), False),
+        ("namespace deletion", gpu_pod(), delete_options(None), False),
+        ("kubelet's final delete of a terminal pod", gpu_pod(phase="Succeeded"), delete_options(0), False),
+        ("kubelet's final delete, containers stopped", terminating, delete_options(0), False),
+        ("pod GC of a pod it marked Failed", gpu_pod(phase="Failed"), delete_options(0), False),
+        ("force delete of an unscheduled pod", unscheduled, delete_options(0), False),
+        (
+            "force delete of a running pod without GPUs",
+            running(workload("pods", False)),
+            delete_options(0),
+            False,
+        ),
+        (
+            "force delete of a running extended-resource GPU pod",
+            running(extended_pod("nvidia.com/gpu")),
+            delete_options(0),
+            True,
+        ),
+    ]
+    for name, pod, options, expected in shapes:
+        yield f"pod DELETE: {name}", admission("", "pods", "DELETE", None, pod, options=options), expected
+    yield "pod DELETE without options", admission("", "pods", "DELETE", None, gpu_pod()), False
+
+
+def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
+    """A claim's status write reaches the webhook only when it clears or changes an allocation, or reserves the
+    claim for a consumer that is not a pod."""
+    pending = {**CLAIM, "status": {}}
+    pod_ref = {"resource": "pods", "name": "p", "uid": "u"}
+    allocation = {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n", "device": "g"}]}}
+    allocated = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [pod_ref]}}
+    with_devices = {**CLAIM, "status": {**allocated["status"], "devices": [{"driver": "gpu.nvidia.com"}]}}
+    released = {**CLAIM, "status": {"allocation": allocation}}
+    group = {
+        **CLAIM,
+        "status": {
+            "allocation": allocation,
+            "reservedFor": [{**pod_ref, "apiGroup": "scheduling.k8s.io", "resource": "podgroups"}],
+        },
+    }
+    writes = [
+        ("the scheduler's allocation in PreBind", pending, allocated, False),
+        ("a driver's status.devices", allocated, with_devices, False),
+        ("the controller dropping a pod from reservedFor", allocated, released, False),
+        ("the controller's deallocation", released, pending, True),
+        ("a deallocation that drops the whole status", released, {**CLAIM}, True),
+        ("a reservation for a PodGroup", released, group, True),
+    ]
+    for name, old, new, expected in writes:
+        data = admission(names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old, subresource="status")
+        yield f"resourceclaims/status: {name}", data, expected
+
+
+def namespace(**labels: str) -> Doc:
+    return {"metadata": {"name": "team-a", "labels": labels} if labels else {"name": "team-a"}, "spec": {}}
+
+
+def namespace_writes() -> Iterator[tuple[str, Doc, bool]]:
+    trusted = namespace(**{names.TENANCY_LABEL: names.TENANCY_TRUSTED})
+    writes = [
+        ("CREATE trusted", "CREATE", trusted, None, True),
+        ("CREATE unlabelled", "CREATE", namespace(), None, False),
+        ("CREATE with other labels", "CREATE", namespace(team="a"), None, False),
+        ("UPDATE adding the label", "UPDATE", trusted, namespace(), True),
+        ("UPDATE removing the label", "UPDATE", namespace(team="a"), trusted, True),
+        ("UPDATE of other labels", "UPDATE", namespace(team="b"), namespace(team="a"), False),
+        ("UPDATE keeping the label", "UPDATE", trusted, trusted, False),
+    ]
+    for name, op, new, old, expected in writes:
+        yield f"namespaces {name}", admission("", "namespaces", op, new, old), expected
+
+
 def cases() -> Iterator[tuple[str, Doc, bool]]:
     for claims in (True, False):
         yield f"pod CREATE claims={claims}", admission("", "pods", "CREATE", workload("pods", claims), None), claims
         pod = workload("pods", claims)
         yield f"pod UPDATE claims={claims}", admission("", "pods", "UPDATE", pod, pod), claims
-        yield f"pod DELETE claims={claims}", admission("", "pods", "DELETE", None, pod), claims
         for group, resource in WORKLOADS:
             for op in ("CREATE", "UPDATE"):
                 obj = workload(resource, claims)
                 old = None if op == "CREATE" else obj
                 yield f"{resource} {op} claims={claims}", admission(group, resource, op, obj, old), claims
+    # KEP-5004: an extended resource is sent whatever its name (the policy tells GPUs from the rest).
+    for name, pod, expected in [
+        ("nvidia.com/gpu limits", extended_pod("nvidia.com/gpu"), True),
+        (
+            "implicit class requests",
+            extended_pod("deviceclass.resource.kubernetes.io/gpu.nvidia.com", "requests"),
+            True,
+        ),
+        ("init container", extended_pod("nvidia.com/gpu", init=True), True),
+        ("cpu and memory only", extended_pod("memory"), False),
+    ]:
+        yield f"pod CREATE {name}", admission("", "pods", "CREATE", pod, None), expected
+        template = workload("deployments", False)
+        template["spec"]["template"]["spec"] = pod["spec"]
+        yield f"deployments CREATE {name}", admission("apps", "deployments", "CREATE", template, None), expected
+    # A ReplicationController's template is optional.
+    bare = {"metadata": {"name": "rc"}, "spec": {"replicas": 0}, "status": {}}
+    yield (
+        "replicationcontrollers without a template",
+        admission("", "replicationcontrollers", "CREATE", bare, None),
+        False,
+    )
+    yield from pod_deletes()
+    # An Eviction has no spec: only its deleteOptions decide.
+    for options, expected in ((None, False), ({"gracePeriodSeconds": 30}, False), ({"gracePeriodSeconds": 0}, True)):
+        eviction: Doc = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "p"}}
+        if options is not None:
+            eviction["deleteOptions"] = options
+        data = admission(
+            "", "pods", "CREATE", eviction, None, subresource="eviction", options={"kind": "CreateOptions"}
+        )
+        yield f"pods/eviction deleteOptions={options}", data, expected
     # Every claim and template reaches us, whatever it holds: the finalizer guard sees every UPDATE.
     for resource in ("resourceclaims", "resourceclaimtemplates"):
         yield f"{resource} CREATE", admission(names.RESOURCE_GROUP, resource, "CREATE", CLAIM, None), True
         yield f"{resource} UPDATE", admission(names.RESOURCE_GROUP, resource, "UPDATE", CLAIM, CLAIM), True
+    yield from claim_status_writes()
     # A DeviceTaintRule only when it is scrubgate's fence; on DELETE `object` is null.
     for key, expected in ((names.TAINT_UNSANITIZED, True), (names.TAINT_SCRUB_FAILED, True), ("example.com/x", False)):
         rule = taint_rule(key)
@@ -312,6 +449,18 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
                 admission(names.RESOURCE_GROUP, "devicetaintrules", op, obj, rule),
                 expected,
             )
+    yield from namespace_writes()
+    device_class = {"metadata": {"name": "h100"}, "spec": {"selectors": []}}
+    yield "deviceclasses CREATE", admission(names.RESOURCE_GROUP, "deviceclasses", "CREATE", device_class, None), True
+    for claims, expected in (([{"name": "gpu", "resourceClaimTemplateName": "t"}], True), (None, False)):
+        group: Doc = {"metadata": {"name": "g"}, "spec": {"schedulingPolicy": {}}}
+        if claims is not None:
+            group["spec"]["resourceClaims"] = claims
+        yield (
+            f"podgroups CREATE claims={expected}",
+            admission("scheduling.k8s.io", "podgroups", "CREATE", group, None),
+            expected,
+        )
 
 
 @pytest.mark.parametrize("name, data, expected", list(cases()), ids=lambda v: v if isinstance(v, str) else "")
@@ -321,8 +470,8 @@ def test_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, e
 
 
 def test_pod_delete_reads_the_old_object(docs: list[Doc]):
-    (condition,) = [c for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"] if "pods" in c["expression"]]
-    assert "request.operation == 'DELETE' ? has(oldObject.spec.resourceClaims)" in condition["expression"]
+    conditions = {c["name"]: c["expression"] for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"]}
+    assert "request.operation == 'DELETE' ? oldObject.spec : object.spec" in conditions["pod-spec-may-hold-a-gpu"]
 
 
 # --- webhook Deployment --------------------------------------------------------------------------------
@@ -349,6 +498,7 @@ def test_webhook_deployment(docs: list[Doc]):
         "--port", "8443",
         "--policy", "/etc/scrubgate/policy/policy.yaml",
         "--audit-log", "/var/log/scrubgate/audit.jsonl",
+        "--client-ca", "/etc/scrubgate/client-ca/ca.crt",
     ]  # fmt: skip
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
@@ -383,6 +533,8 @@ def test_webhook_mounts_what_its_arguments_name(docs: list[Doc]):
     configmap = one(docs, "ConfigMap", policy_volume["configMap"]["name"])
     assert configmap["data"]["policy.yaml"] == (REPO / "policies" / "default.yaml").read_text()
     assert "emptyDir" in volumes[mounts["/var/log/scrubgate"]["name"]]
+    # Only the API server, with a client certificate of this CA, gets admission decisions.
+    assert volumes[mounts["/etc/scrubgate/client-ca"]["name"]]["configMap"]["name"] == "scrubgate-webhook-client-ca"
 
 
 def test_disruption_budget_keeps_a_replica(docs: list[Doc]):

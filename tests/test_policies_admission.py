@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -343,6 +344,51 @@ def test_kubelets_final_delete_after_containers_stopped_is_allowed(policy):
     pod["status"]["initContainerStatuses"] = [{"name": "init", "state": {"terminated": {}}}]
     pod["status"]["containerStatuses"].append({"name": "side", "state": {"running": {}}})
     assert verdict(delete(pod, policy, 0, groups=("system:nodes",), user="system:node:node-a")) == [("SG008", "deny")]
+
+
+def test_pod_gc_deletes_a_pod_of_a_lost_node_it_marked_failed(policy, keyed_policy):
+    """The pod GC patches pods/status to Failed, then deletes with grace 0. Nothing runs that a graceful delete
+    would stop, and the claim stays allocated under SG007 until its devices are attested (or break-glass)."""
+    gc = "system:serviceaccount:kube-system:pod-garbage-collector"
+    marked = running_pod(phase="Failed", conditions=[{"type": "DisruptionTarget", "reason": "DeletionByPodGC"}])
+    assert delete(marked, policy, 0, groups=("system:serviceaccounts",), user=gc) == []
+    # Before it is marked, the pod GC is refused like anyone outside the admin groups.
+    assert verdict(delete(running_pod(), policy, 0, groups=("system:serviceaccounts",), user=gc)) == [("SG008", "deny")]
+    # Once the pod is gone the resourceclaim controller's deallocation is still held until an attestation.
+    claim = allocated_claim()
+    cleared = copy.deepcopy(claim)
+    del cleared["status"]["allocation"]
+    admission = Admission("UPDATE", "system:serviceaccount:kube-system:resource-claim-controller", old_object=claim)
+    held = validate(cleared, keyed_policy, trusted=False, admission=replace(admission, subresource="status"))
+    assert verdict(held) == [("SG007", "deny")]
+
+
+def eviction(grace=None) -> dict:
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"namespace": "team-a", "name": "train"}}
+    if grace is not None:
+        body["deleteOptions"] = {"gracePeriodSeconds": grace}
+    return body
+
+
+def evict(body, policy, groups=("team-a",), user="alice"):
+    admission = Admission("CREATE", user, tuple(groups), subresource="eviction")
+    return validate(body, policy, trusted=False, admission=admission)
+
+
+def test_a_force_eviction_is_denied(policy):
+    """pods/eviction deletes the pod with the eviction's deleteOptions, and no pod DELETE admission runs."""
+    (finding,) = evict(eviction(0), policy)
+    assert (finding.rule, finding.action, finding.path) == ("SG008", "deny", "/deleteOptions/gracePeriodSeconds")
+    assert "gracePeriodSeconds 0" in finding.message
+
+
+@pytest.mark.parametrize("grace", [None, 30, 1])
+def test_evictions_that_keep_a_grace_period_pass(policy, grace):
+    assert evict(eviction(grace), policy) == []
+
+
+def test_admins_may_force_evict(policy):
+    assert evict(eviction(0), policy, groups=ADMINS, user="oncall") == []
 
 
 def test_unscheduled_pod_may_be_force_deleted(policy):

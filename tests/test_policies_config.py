@@ -15,7 +15,10 @@ from scrubgate.policies.rules_meta import RULES
 def test_default_policy_loads_with_the_documented_values():
     policy = load_policy()
     assert policy == load_policy(DEFAULT_POLICY_PATH)
-    assert policy.gpu_device_classes == ("gpu.nvidia.com", "mig.nvidia.com", "*.nvidia.com")
+    assert policy.gpu_device_classes == ("gpu.nvidia.com", "mig.nvidia.com", "*.gpu.nvidia.com")
+    assert policy.exclude_device_classes == ("compute-domain-*.nvidia.com", "imex.nvidia.com", "vfio.gpu.nvidia.com")
+    assert policy.gpu_drivers == ("gpu.nvidia.com",)
+    assert policy.gpu_extended_resources == ("nvidia.com/gpu", "nvidia.com/mig-*")
     assert (policy.grace_period.minimum_seconds, policy.grace_period.default_seconds) == (30, 60)
     assert policy.grace_period.maximum_seconds == 3600
     assert policy.tenancy.label == names.TENANCY_LABEL and policy.tenancy.trusted_value == names.TENANCY_TRUSTED
@@ -28,6 +31,8 @@ def test_default_policy_loads_with_the_documented_values():
         "SG006": "deny",
         "SG007": "deny",
         "SG008": "deny",
+        "SG009": "deny",
+        "SG010": "deny",
     }
     assert policy.agent.identities == ("system:serviceaccount:scrubgate-system:scrubgate-agent",)
     assert policy.admin_groups == ("system:masters",)
@@ -45,8 +50,51 @@ def test_rule_table_matches_the_design():
         "SG006": "admin-access",
         "SG007": "finalizer-guard",
         "SG008": "force-delete",
+        "SG009": "gpu-class-coverage",
+        "SG010": "tenancy-label",
     }
     assert all(rule.summary and rule.help for rule in RULES.values())
+
+
+@pytest.mark.parametrize(
+    ("device_class", "in_scope"),
+    [
+        ("gpu.nvidia.com", True),
+        ("mig.nvidia.com", True),
+        ("mig-1g-12gb.gpu.nvidia.com", True),
+        ("compute-domain-default-channel.nvidia.com", False),
+        ("compute-domain-daemon.nvidia.com", False),
+        ("vfio.gpu.nvidia.com", False),
+        ("h100-80gb", False),
+    ],
+)
+def test_default_gpu_classes_leave_out_what_no_agent_scrubs(device_class, in_scope):
+    assert load_policy().is_gpu_class(device_class) is in_scope
+
+
+def test_excluded_classes_win_over_a_glob_that_matches_them():
+    policy = parse_policy({"gpuDeviceClasses": ["*.nvidia.com"]})
+    assert policy.is_gpu_class("gpu.nvidia.com") and policy.is_gpu_class("h100.nvidia.com")
+    assert not policy.is_gpu_class("compute-domain-daemon.nvidia.com")
+    assert not policy.is_gpu_class("vfio.gpu.nvidia.com")
+    assert parse_policy({"gpuDeviceClasses": ["*.nvidia.com"], "excludeDeviceClasses": []}).is_gpu_class(
+        "vfio.gpu.nvidia.com"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "gpu"),
+    [
+        ("nvidia.com/gpu", True),
+        ("nvidia.com/mig-1g.10gb", True),
+        ("deviceclass.resource.kubernetes.io/gpu.nvidia.com", True),
+        ("deviceclass.resource.kubernetes.io/vfio.gpu.nvidia.com", False),
+        ("deviceclass.resource.kubernetes.io/nic.example.com", False),
+        ("example.com/fpga", False),
+    ],
+)
+def test_gpu_extended_resources(name, gpu):
+    assert load_policy().is_gpu_extended_resource(name) is gpu
 
 
 def test_empty_policy_is_the_built_in_default():

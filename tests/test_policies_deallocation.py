@@ -88,7 +88,7 @@ def assert_denied(findings: list[Finding], *fragments: str) -> None:
 @pytest.mark.parametrize(
     ("finalizers", "device_class"),
     [((names.FINALIZER,), "gpu.nvidia.com"), ((), "mig.nvidia.com"), ((names.FINALIZER,), "fpga.example.com")],
-    ids=["finalizer-and-gpu-class", "gpu-class-only", "finalizer-only"],
+    ids=["finalizer-and-gpu-class", "gpu-class-only", "gpu-driver-under-an-unlisted-class"],
 )
 def test_clearing_a_gpu_claims_allocation_without_attestation_is_denied(finalizers, device_class):
     old = allocated(finalizers=finalizers, device_class=device_class)
@@ -186,6 +186,24 @@ def test_the_scheduler_undoes_its_own_allocation_without_attestation():
     assert status_update(old, deallocated(old), SCHEDULER, groups=("system:authenticated",)) == []
 
 
+@pytest.mark.parametrize(
+    "reserved",
+    [
+        [{"resource": "pods", "name": "a", "uid": "pod-a"}, {"resource": "pods", "name": "b", "uid": "pod-b"}],
+        [{"apiGroup": "scheduling.k8s.io", "resource": "podgroups", "name": "g", "uid": "pg"}],
+    ],
+    ids=["two-pods", "a-pod-group"],
+)
+def test_the_scheduler_may_not_clear_a_claim_in_use_by_more_than_its_pending_pod(reserved):
+    """PostFilter clears only a claim reserved for nobody or for the one pod being scheduled."""
+    old = allocated()
+    old["status"]["reservedFor"] = reserved
+    assert_denied(status_update(old, deallocated(old), SCHEDULER), f"user {SCHEDULER!r}")
+    pending = allocated()
+    pending["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": "pod-a"}]
+    assert status_update(pending, deallocated(pending), SCHEDULER) == []
+
+
 def test_the_policy_names_the_scheduler():
     custom = "system:serviceaccount:kube-system:gpu-scheduler"
     policy = parse_policy({"attestationKeys": KEYS, "scheduler": {"identities": [custom]}})
@@ -223,9 +241,54 @@ def test_break_glass_counts_only_on_the_stored_claim_and_with_a_reason():
 # -- not this guard's business ----------------------------------------------------------------------------
 
 
-def test_a_non_gpu_claim_without_the_finalizer_is_not_guarded():
-    old = allocated(finalizers=(), device_class="fpga.example.com")
-    assert status_update(old, deallocated(old)) == []
+FPGA = {"driver": "fpga.example.com", "pool": "node-a", "device": "fpga-0"}
+
+
+def test_a_non_gpu_claim_is_not_guarded_with_or_without_the_finalizer():
+    for finalizers in ((), (names.FINALIZER,)):
+        old = allocated(devices=(FPGA,), finalizers=finalizers, device_class="fpga.example.com", recorded=False)
+        assert status_update(old, deallocated(old)) == []
+
+
+# -- what is guarded is known from what was allocated (a GPU driver), not from the class's name ----------
+
+
+def test_a_gpu_drivers_device_under_a_class_the_policy_does_not_list_is_guarded():
+    """A cluster's own class for one GPU model (`h100-80gb`, selecting gpu.nvidia.com's devices)."""
+    old = allocated(finalizers=(), device_class="h100-80gb", recorded=False)
+    assert_denied(status_update(old, deallocated(old)), f"without a {names.ANNOTATION_ATTESTATION} annotation")
+    other = parse_policy({"attestationKeys": KEYS, "gpuDrivers": ["gpu.example.com"]})
+    assert status_update(old, deallocated(old), policy=other) == []
+
+
+COMPUTE_DOMAIN_CHANNEL = {"driver": "compute-domain.nvidia.com", "pool": "node-a", "device": "channel-0"}
+
+
+@pytest.mark.parametrize(
+    ("device_class", "device"),
+    [
+        ("compute-domain-default-channel.nvidia.com", COMPUTE_DOMAIN_CHANNEL),
+        ("compute-domain-daemon.nvidia.com", {**COMPUTE_DOMAIN_CHANNEL, "device": "daemon-0"}),
+        ("vfio.gpu.nvidia.com", DEVICE),  # a GPU bound to vfio-pci: served by gpu.nvidia.com, scrubbed by no one
+    ],
+)
+def test_claims_no_agent_scrubs_are_never_held(device_class, device):
+    """They may carry the finalizer from an older policy (`*.nvidia.com`): their deallocation still goes
+    through, and once deleted their finalizer may go, or their namespace would hang in Terminating."""
+    assert not POLICY.is_gpu_class(device_class)
+    old = allocated(devices=(device,), device_class=device_class, recorded=False)
+    assert status_update(old, deallocated(old), "system:serviceaccount:kube-system:resource-claim-controller") == []
+    assert _finalizer_removed(_deleted(deallocated(old))) == []
+    assert _finalizer_removed(_deleted(old)) == []
+    # The finalizer of one that still exists stays the agent's to remove.
+    assert [f.rule for f in _finalizer_removed(old)] == ["SG007"]
+
+
+def test_an_excluded_class_in_one_request_leaves_the_gpu_of_another_guarded():
+    old = allocated(device_class="vfio.gpu.nvidia.com", recorded=False)
+    old["spec"]["devices"]["requests"].append({"name": "compute", "exactly": {"deviceClassName": "gpu.nvidia.com"}})
+    old["status"]["allocation"]["devices"]["results"].append({**OTHER_DEVICE, "request": "compute"})
+    assert_denied(status_update(old, deallocated(old)), "without a")
 
 
 def test_allocating_is_not_guarded():

@@ -1,5 +1,5 @@
-"""The mechanical fixes: SG003 (default grace period) and SG004 (sanitize finalizer), applied with jsonpatch;
-`default()` runs only on CREATE and is idempotent."""
+"""The mechanical fixes: SG003 (default grace period, in manifests) and SG004 (sanitize finalizer), applied with
+jsonpatch; `default()` (the mutating webhook) adds only the finalizer, only on CREATE, and is idempotent."""
 
 from __future__ import annotations
 
@@ -48,25 +48,29 @@ def test_sg004_patch_adds_the_finalizer_and_keeps_the_others(
 
 def test_sg003_patch_sets_the_default_only_where_absent(dra, policy, carrier_kind):
     obj = dra.carrier(carrier_kind, dra.pod_spec(grace=None))
-    mutations = default(obj, policy)
-    assert [(f.rule, f.action) for f in mutations] == [("SG003", "deny")]
-    fixed = apply(obj, mutations)
+    findings = validate(obj, policy, trusted=True)  # a manifest, fixed by `scrubgate check --fix`
+    assert [(f.rule, f.action) for f in findings] == [("SG003", "deny")]
+    assert "the API server would set 30s" in findings[0].message
+    fixed = apply(obj, findings)
     path = "/" + "/".join((*dra.spec_path(carrier_kind), "terminationGracePeriodSeconds"))
     assert jsonpatch.JsonPointer(path).resolve(fixed) == policy.grace_period.default_seconds
-    assert default(fixed, policy) == []
-    # A value that is there, even a wrong one, is the user's: validation denies it, defaulting leaves it.
-    too_short = dra.carrier(carrier_kind, dra.pod_spec(grace=5))
-    assert default(too_short, policy) == []
+    assert validate(fixed, policy, trusted=True) == []
+    # A value that is there, even a wrong one, is the user's: validation denies it, with no patch.
+    too_short = validate(dra.carrier(carrier_kind, dra.pod_spec(grace=5)), policy, trusted=True)
+    assert [(f.rule, f.patch) for f in too_short] == [("SG003", ())]
+
+
+def test_the_mutating_webhook_never_sets_a_grace_period(dra, policy, carrier_kind):
+    """The API server defaults an absent terminationGracePeriodSeconds (30 s) before mutating admission, so a
+    default set there would never apply: the webhook leaves pods alone."""
+    assert default(dra.carrier(carrier_kind, dra.pod_spec(grace=None)), policy) == []
 
 
 @pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
 def test_default_only_on_create(dra, policy, operation):
     claim = dra.claim("v1")
-    pod = dra.carrier("Pod", dra.pod_spec(grace=None))
     assert default(claim, policy, operation) == []
-    assert default(pod, policy, operation) == []
     assert default(claim, policy, "CREATE") != []
-    assert default(pod, policy, "CREATE") != []
 
 
 def test_default_gives_nothing_for_templates_non_gpu_claims_and_other_kinds(dra, policy):
@@ -74,23 +78,19 @@ def test_default_gives_nothing_for_templates_non_gpu_claims_and_other_kinds(dra,
     example = dra.claim("v1", requests=[dra.device_request("v1", "gpu.example.com")])
     assert default(example, policy) == []
     assert default({"apiVersion": "v1", "kind": "ConfigMap"}, policy) == []
-    no_claims = dra.carrier("Pod", dra.pod_spec(grace=None))
-    del no_claims["spec"]["resourceClaims"]
-    assert default(no_claims, policy) == []
     assert default(None, policy) == []
 
 
-def test_default_is_idempotent_on_a_mixed_batch(dra, policy, resource_version, carrier_kind):
-    for obj in (dra.claim(resource_version), dra.carrier(carrier_kind, dra.pod_spec(grace=None))):
-        once = apply(obj, default(obj, policy))
-        assert once != obj
-        assert default(once, policy) == []
+def test_default_is_idempotent(dra, policy, resource_version):
+    obj = dra.claim(resource_version)
+    once = apply(obj, default(obj, policy))
+    assert once != obj
+    assert default(once, policy) == []
 
 
 def test_sg004_off_means_no_mutation(dra):
-    off = parse_policy({"rules": {"SG004": {"action": "off"}, "SG003": {"action": "off"}}})
+    off = parse_policy({"rules": {"SG004": {"action": "off"}}})
     assert default(dra.claim("v1"), off) == []
-    assert default(dra.carrier("Pod", dra.pod_spec(grace=None)), off) == []
 
 
 def test_admission_does_not_report_what_the_api_server_or_mutation_fills_in(dra, policy):

@@ -8,7 +8,7 @@ import jsonpatch
 import pytest
 from scrubgate.policies import names
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.engine import validate
+from scrubgate.policies.engine import default, validate
 
 RETAIN = {names.ANNOTATION_DEALLOCATION_POLICY: names.DEALLOCATION_RETAIN}
 FENCE = {"key": names.TAINT_UNSANITIZED, "operator": "Exists", "effect": "NoSchedule"}
@@ -135,10 +135,27 @@ def test_non_gpu_classes_are_out_of_scope(dra, policy, resource_version, claim_k
     assert validate(obj, policy, trusted=False) == []
 
 
-@pytest.mark.parametrize("device_class", ["gpu.nvidia.com", "mig.nvidia.com", "vfio.gpu.nvidia.com", "imex.nvidia.com"])
-def test_nvidia_classes_are_in_scope(dra, policy, device_class):
+@pytest.mark.parametrize("device_class", ["gpu.nvidia.com", "mig.nvidia.com"])
+def test_nvidia_gpu_classes_are_in_scope(dra, policy, device_class):
     obj = dra.claim("v1", requests=[dra.device_request("v1", device_class)])
     assert verdict(validate(obj, policy, trusted=False)) == [("SG004", "warn")]
+
+
+@pytest.mark.parametrize(
+    "device_class",
+    [
+        "compute-domain-default-channel.nvidia.com",
+        "compute-domain-daemon.nvidia.com",
+        "imex.nvidia.com",
+        "vfio.gpu.nvidia.com",
+    ],
+)
+def test_nvidia_classes_no_agent_scrubs_get_no_finalizer(dra, policy, device_class):
+    """IMEX channels hold no GPU memory and a vfio-pci GPU is scrubbed by no agent: a finalizer on their claims
+    would never be removed, and their namespaces would hang in Terminating."""
+    obj = dra.claim("v1", requests=[dra.device_request("v1", device_class)])
+    assert validate(obj, policy, trusted=False) == []
+    assert default(obj, policy) == []
 
 
 def test_one_gpu_alternative_in_first_available_brings_the_claim_in_scope(dra, policy, structured_version):
@@ -252,9 +269,21 @@ def test_pod_spec_without_claims_is_not_checked(dra, policy, carrier_kind):
 def test_pod_toleration_of_a_scrubgate_node_taint_is_sg005(dra, policy, carrier_kind):
     tolerations = [{"operator": "Exists"}, {"key": "nvidia.com/gpu", "operator": "Exists"}, FENCE]
     found = validate(dra.carrier(carrier_kind, dra.pod_spec(tolerations=tolerations)), policy, trusted=True)
-    # A key-less Exists toleration on a pod is left alone (system DaemonSets use it); the scrubgate key is not.
+    # In a single-tenant namespace a key-less Exists toleration is left alone; the scrubgate key is not.
     assert verdict(found) == [("SG005", "deny")]
     assert found[0].path.endswith("/tolerations/2")
+
+
+@pytest.mark.parametrize("effect", [None, "NoSchedule", "NoExecute"])
+def test_a_multi_tenant_gpu_pod_tolerating_every_taint_is_sg005(dra, policy, carrier_kind, effect):
+    """`operator: Exists` without a key tolerates the agent's fallback node taint as well as any other: the same
+    toleration on a device request is refused too."""
+    everything = {"operator": "Exists", **({"effect": effect} if effect else {})}
+    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists"}, everything]
+    found = validate(dra.carrier(carrier_kind, dra.pod_spec(tolerations=tolerations)), policy, trusted=False)
+    assert verdict(found) == [("SG005", "deny")]
+    assert found[0].path.endswith("/tolerations/1")
+    assert "tolerates every taint (operator: Exists, no key)" in found[0].message
 
 
 def test_pod_carrier_rules_at_once(dra, policy):

@@ -226,6 +226,67 @@ def test_force_delete_by_an_admin_and_graceful_delete_are_allowed(webhook):
     ]
 
 
+def eviction_review(grace: int | None, user: dict | None = None) -> dict:
+    """CREATE of pods/eviction as kube-apiserver sends it: the Eviction is the object, there is no old object."""
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"namespace": "team-a", "name": "train-0"}}
+    if grace is not None:
+        eviction["deleteOptions"] = {"gracePeriodSeconds": grace}
+    body = review(eviction, user=user)
+    body["request"]["subResource"] = body["request"]["requestSubResource"] = "eviction"
+    body["request"]["kind"] = body["request"]["requestKind"] = {"group": "policy", "version": "v1", "kind": "Eviction"}
+    return body
+
+
+def test_a_force_eviction_is_denied_and_recorded(webhook):
+    body = eviction_review(0)
+    response = post_review(webhook, "/validate", body)
+    assert response["allowed"] is False
+    assert response["status"]["message"].startswith("scrubgate denied CREATE of Eviction team-a/train-0: SG008")
+    assert record_for(webhook, body["request"]["uid"])["decision"] == "deny"
+
+
+def test_evictions_with_a_grace_period_and_admins_force_evictions_pass(webhook):
+    assert post_review(webhook, "/validate", eviction_review(None))["allowed"]
+    assert post_review(webhook, "/validate", eviction_review(30))["allowed"]
+    assert post_review(webhook, "/validate", eviction_review(0, user=ADMIN))["allowed"]
+
+
+# -- cluster-scoped kinds: DeviceClasses (SG009), Namespaces' tenancy label (SG010) --------------------------
+
+
+def test_an_uncovered_gpu_device_class_is_denied_naming_the_policy_field(webhook):
+    device_class = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "h100-80gb"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]},
+    }
+    for operation, old in (("CREATE", None), ("UPDATE", device_class)):
+        response = post_review(webhook, "/validate", review(device_class, operation=operation, old=old, user=ADMIN))
+        assert response["allowed"] is False
+        assert "SG009 gpu-class-coverage" in response["status"]["message"]
+        assert "add 'h100-80gb' to gpuDeviceClasses" in response["status"]["message"]
+
+
+def _namespace(**labels: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a", "labels": labels}}
+
+
+def test_a_tenancy_label_change_is_an_admins_and_always_recorded(webhook):
+    trusted = _namespace(**{names.TENANCY_LABEL: names.TENANCY_TRUSTED})
+    denied = review(trusted, operation="UPDATE", old=_namespace())
+    response = post_review(webhook, "/validate", denied)
+    assert response["allowed"] is False and "SG010 tenancy-label" in response["status"]["message"]
+    allowed = review(trusted, operation="UPDATE", old=_namespace(), user=ADMIN)
+    assert post_review(webhook, "/validate", allowed)["allowed"] is True
+    record = record_for(webhook, allowed["request"]["uid"])
+    assert record["decision"] == "audit"
+    assert record["findings"][0]["rule"] == {"id": "SG010", "name": "tenancy-label"}
+    unrelated = review(_namespace(team="b"), operation="UPDATE", old=_namespace(team="a"))
+    assert post_review(webhook, "/validate", unrelated)["allowed"] is True
+    assert not [r for r in audit_records(webhook) if r["uid"] == unrelated["request"]["uid"]]
+
+
 # -- mutation --------------------------------------------------------------------------------------
 
 
@@ -259,16 +320,14 @@ def test_the_finalizer_is_appended_to_the_users_finalizers(webhook):
     assert result["metadata"]["finalizers"] == ["example.com/keep", names.FINALIZER]
 
 
-def test_a_pod_without_grace_period_gets_the_default(webhook):
-    pod = gpu_pod(grace=None)
-    result, patches = _mutate_until_stable(webhook, pod)
-    assert len(patches) == 1
-    assert result["spec"]["terminationGracePeriodSeconds"] == 60
-    assert result["spec"]["containers"] == pod["spec"]["containers"]
+def test_pods_are_never_mutated(webhook):
+    """The API server sets an absent grace period (30 s) before mutating admission: a default set by the
+    webhook would never apply, so it sets none."""
+    for grace in (None, 45):
+        assert "patch" not in post_review(webhook, "/mutate", review(gpu_pod(grace=grace)))
 
 
-def test_a_users_grace_period_is_kept_and_updates_are_not_mutated(webhook):
-    assert "patch" not in post_review(webhook, "/mutate", review(gpu_pod(grace=45)))
+def test_updates_are_not_mutated(webhook):
     claim = gpu_claim(finalizers=[])
     assert "patch" not in post_review(webhook, "/mutate", review(claim, operation="UPDATE", old=claim))
 

@@ -96,6 +96,9 @@ _RESOURCES = {
     "Deployment": ("apps", "v1", "deployments"),
     "ConfigMap": ("", "v1", "configmaps"),
     "DeviceTaintRule": ("resource.k8s.io", "v1", "devicetaintrules"),
+    "DeviceClass": ("resource.k8s.io", "v1", "deviceclasses"),
+    "Namespace": ("", "v1", "namespaces"),
+    "Eviction": ("", "v1", "pods"),  # the pods/eviction subresource; callers set subResource and kind
 }
 
 

@@ -12,9 +12,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Protocol
@@ -25,13 +28,29 @@ from scrubgate.policies.config import PolicyConfig
 from starlette.types import Receive, Scope, Send
 
 from . import handlers, responses
-from .defaults import MAX_BODY_BYTES
+from .defaults import (
+    HEAVY_BODY_BYTES,
+    HEAVY_WORKERS,
+    MAX_BODY_BYTES,
+    MAX_FINDINGS_SHOWN,
+    REPEAT_KEYS,
+    REPEAT_WINDOW_S,
+)
 from .handlers import Outcome
 from .metrics import CONTENT_TYPE, Metrics
 from .policy_reload import PolicySource
+from .repeats import RepeatedRefusals, refusal_key
 from .review import AdmissionRequest
 from .tls import ServingTLS
-from .transport import TransportError, check_content_type, decode, encode, encode_error, read_body
+from .transport import (
+    TransportError,
+    check_content_type,
+    decode,
+    encode,
+    encode_error,
+    read_body,
+    request_timeout,
+)
 
 log = logging.getLogger(__name__)
 audit_log = logging.getLogger("scrubgate.audit")
@@ -67,11 +86,21 @@ class WebhookState:
     max_body_bytes: int = MAX_BODY_BYTES
     require_client_cert: bool = False
     watch_interval: float = 2.0
+    heavy_body_bytes: int = HEAVY_BODY_BYTES
+    heavy_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(HEAVY_WORKERS, thread_name_prefix="scrubgate-heavy")
+    )
+    repeats: RepeatedRefusals = field(default_factory=lambda: RepeatedRefusals(REPEAT_WINDOW_S, REPEAT_KEYS))
 
 
-def audit_fields(request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig, webhook: str) -> dict[str, Any]:
+def audit_fields(
+    request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig, webhook: str, repeats_unrecorded: int = 0
+) -> dict[str, Any]:
+    """The record of one decision. Of many findings it keeps the first MAX_FINDINGS_SHOWN and counts all by rule,
+    so that one request's record stays small; `repeatsUnrecorded` counts identical refusals left out before it."""
     meta = (request.object or request.old_object or {}).get("metadata") or {}
-    return {
+    findings = outcome.findings
+    fields = {
         "time": rfc3339(datetime.now(UTC)),
         "uid": request.uid,
         "webhook": webhook,
@@ -86,12 +115,43 @@ def audit_fields(request: AdmissionRequest, outcome: Outcome, policy: PolicyConf
         "groups": list(request.groups),
         "decision": outcome.decision,
         "dryRun": request.dry_run,
-        "findings": [finding.to_dict() for finding in outcome.findings],
+        "findings": [finding.to_dict() for finding in findings[:MAX_FINDINGS_SHOWN]],
         "policyDigest": policy.digest,
     }
+    if len(findings) > MAX_FINDINGS_SHOWN:
+        fields["findingsOmitted"] = len(findings) - MAX_FINDINGS_SHOWN
+        fields["findingsByRule"] = dict(Counter(finding.rule for finding in findings))
+    if repeats_unrecorded:
+        fields["repeatsUnrecorded"] = repeats_unrecorded
+    return fields
+
+
+_INDEX = re.compile(r"/[0-9]+(?=/|$)")
+
+
+def refusal_reason(path: str) -> str:
+    """A finding's field as a metric label: list indices as `*`, so that the label set stays small."""
+    return _INDEX.sub("/*", path) or "(object)"
 
 
 Handler = Callable[[AdmissionRequest, PolicyConfig], Outcome]
+EXPIRED = 503  # the HTTP status of a request not evaluated because its caller stopped waiting
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A decision and what the event loop needs of it: the findings counted, by (rule, action) and, of the deny
+    findings, by (rule, reason), so that the loop does not walk thousands of them."""
+
+    request: AdmissionRequest
+    outcome: Outcome
+    policy: PolicyConfig
+    hits: Counter[tuple[str, str]]
+    refusals: Counter[tuple[str, str]]
+
+
+def _metadata_only(obj: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if obj is None else {"metadata": obj.get("metadata") or {}}
 
 
 class AdmissionEndpoint:
@@ -120,15 +180,59 @@ class AdmissionEndpoint:
             headers = dict(scope["headers"])
             check_content_type(headers.get(b"content-type"))
             body = await read_body(headers.get(b"content-length"), receive, state.max_body_bytes)
-            request = decode(body)
+            if len(body) > state.heavy_body_bytes:
+                # Decoding and evaluating a big object takes long enough to hold up every small request behind
+                # it: a worker thread does it (and frees the object), the event loop keeps serving.
+                timeout = request_timeout(scope.get("query_string", b""))
+                deadline = started + timeout if timeout is not None else None
+                loop = asyncio.get_running_loop()
+                decided = await loop.run_in_executor(state.heavy_pool, partial(self.decide, body, deadline, heavy=True))
+            else:
+                decided = self.decide(body)
         except TransportError as err:
-            metrics.admission.count(webhook, "", "", "invalid", time.perf_counter() - started)
+            decision = "expired" if err.status == EXPIRED else "invalid"
+            metrics.admission.count(webhook, "", "", decision, time.perf_counter() - started)
             log.warning(
                 "refused a malformed admission request on %s: %s", webhook, err.message, extra={"status": err.status}
             )
             return err.status, encode_error(err)
 
-        policy = state.policy.policy
+        request, outcome, policy = decided.request, decided.outcome, decided.policy
+        for (rule, action), count in decided.hits.items():
+            metrics.admission.hit(rule, action, count)
+        for (rule, reason), count in decided.refusals.items():
+            metrics.refusals.labels(rule, reason).inc(count)
+        if outcome.audited:
+            left_out = state.repeats.record(refusal_key(request, outcome.findings)) if outcome.decision == "deny" else 0
+            if left_out is None:
+                metrics.audit_repeats_unrecorded.inc()
+            else:
+                outcome = await self._audit(request, outcome, policy, left_out)
+        metrics.admission.count(
+            webhook, request.operation, request.kind_name, outcome.decision, time.perf_counter() - started
+        )
+        if outcome.decision in ("deny", "warn", "audit"):
+            log.info(
+                "%s %s %s: %s",
+                outcome.decision,
+                request.operation,
+                handlers.describe(request),
+                ", ".join(sorted({f"{f.rule}/{f.action}" for f in outcome.findings})),
+                extra={"uid": request.uid, "user": request.username, "dry_run": request.dry_run},
+            )
+        return 200, encode(outcome.response)
+
+    def decide(self, body: bytes, deadline: float | None = None, *, heavy: bool = False) -> Decided:
+        """Decodes and evaluates; raises TransportError for a malformed request, or one whose `deadline` (the
+        API server's timeout, on the perf_counter clock) passed while it waited. Touches no shared state but the
+        policy in force, so it may run on a worker thread; `heavy` keeps only the objects' metadata (all that
+        the audit record reads), so that the big objects are freed on that thread."""
+        if deadline is not None and time.perf_counter() > deadline:
+            # Nobody waits for the answer any more (the API server has refused the request): leave the worker
+            # to the requests that may still be answered in time.
+            raise TransportError(EXPIRED, "the API server's timeout passed while this request waited; not evaluated")
+        request = decode(body)
+        policy = self.state.policy.policy
         try:
             outcome = self.handler(request, policy)
         except Exception as exc:
@@ -146,26 +250,19 @@ class AdmissionEndpoint:
                 ),
                 "error",
             )
-        for finding in outcome.findings:
-            metrics.admission.hit(finding.rule, finding.action)
-        if outcome.audited:
-            outcome = await self._audit(request, outcome, policy)
-        metrics.admission.count(
-            webhook, request.operation, request.kind_name, outcome.decision, time.perf_counter() - started
+        findings = outcome.findings
+        refusals = (
+            Counter((f.rule, refusal_reason(f.path)) for f in findings if f.action == "deny")
+            if outcome.decision == "deny"
+            else Counter()
         )
-        if outcome.decision in ("deny", "warn", "audit"):
-            log.info(
-                "%s %s %s: %s",
-                outcome.decision,
-                request.operation,
-                handlers.describe(request),
-                ", ".join(f"{f.rule}/{f.action}" for f in outcome.findings),
-                extra={"uid": request.uid, "user": request.username, "dry_run": request.dry_run},
-            )
-        return 200, encode(outcome.response)
+        if heavy:
+            slim = {"object": _metadata_only(request.object), "old_object": _metadata_only(request.old_object)}
+            request = request.model_copy(update=slim)
+        return Decided(request, outcome, policy, Counter((f.rule, f.action) for f in findings), refusals)
 
-    async def _audit(self, request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig) -> Outcome:
-        fields = audit_fields(request, outcome, policy, self.webhook)
+    async def _audit(self, request: AdmissionRequest, outcome: Outcome, policy: PolicyConfig, left_out: int) -> Outcome:
+        fields = audit_fields(request, outcome, policy, self.webhook, left_out)
         try:
             await self.state.audit.append(fields)
         except Exception as exc:

@@ -14,6 +14,7 @@ from scrubgate.policies.engine import Admission, default, validate
 from scrubgate.policies.findings import Finding
 
 from . import responses
+from .defaults import MAX_FINDINGS_SHOWN
 from .review import AdmissionRequest, AdmissionResponse
 
 Decision = Literal["allow", "deny", "warn", "audit", "patch", "error"]
@@ -47,9 +48,15 @@ def _label(finding: Finding) -> str:
     return f"{finding.rule} {finding.name}"
 
 
+def more(shown: int, total: int) -> str:
+    """The note for findings left out of an answer or record (which still count in the metrics)."""
+    return f" (and {total - shown} more findings)" if total > shown else ""
+
+
 def _deny_message(request: AdmissionRequest, denials: list[Finding]) -> str:
-    fixes = "; ".join(f"{_label(finding)}: {finding.message}" for finding in denials)
-    return f"scrubgate denied {request.operation} of {describe(request)}: {fixes}"
+    shown = denials[:MAX_FINDINGS_SHOWN]
+    fixes = "; ".join(f"{_label(finding)}: {finding.message}" for finding in shown)
+    return f"scrubgate denied {request.operation} of {describe(request)}: {fixes}{more(len(shown), len(denials))}"
 
 
 def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted: bool) -> Outcome:
@@ -70,6 +77,8 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
         return Outcome(responses.allowed(request.uid), "allow")
     denials = [finding for finding in findings if finding.action == "deny"]
     warnings = [f"[{_label(finding)}] {finding.message}" for finding in findings if finding.action == "warn"]
+    if len(warnings) > MAX_FINDINGS_SHOWN:
+        warnings = [*warnings[:MAX_FINDINGS_SHOWN], f"[scrubgate]{more(MAX_FINDINGS_SHOWN, len(warnings))}"]
     if denials:
         return Outcome(
             responses.denied(request.uid, _deny_message(request, denials), warnings=warnings), "deny", findings
@@ -80,9 +89,9 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
 
 
 def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
-    """SG004 finalizer and SG003 default grace period on CREATE. The engine patches only what is absent,
-    so a reinvocation (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default
-    in other operations and in kinds the policy does not know."""
+    """SG004 finalizer on CREATE of a GPU claim. The engine patches only what is absent, so a reinvocation
+    (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default in other operations and
+    kinds (the API server has defaulted a pod's grace period before any webhook runs)."""
     findings = default(request.object, policy, request.operation)
     ops = [op for finding in findings for op in finding.patch]
     unsafe = [op for op in ops if op.get("op") != "add"]

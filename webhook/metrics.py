@@ -55,19 +55,19 @@ class AdmissionTally(Collector):
         row[bisect_left(self._bounds, seconds)] += 1  # the first bucket whose bound is >= seconds
         row[-2] += seconds
 
-    def hit(self, rule: str, action: str) -> None:
+    def hit(self, rule: str, action: str, count: int = 1) -> None:
         key = (rule, action)
         counter = self._rule_hits.get(key)
         if counter is None:
             counter = self._rule_hits[key] = [0, time.time()]
-        counter[0] += 1
+        counter[0] += count
 
     def collect(self) -> Iterator[Metric]:
         # list(...) snapshots: a scrape from another thread must not see a dict change size under it.
         requests = CounterMetricFamily(
             REQUESTS,
             "Admission requests by webhook, operation, kind and decision "
-            "(allow, deny, warn, audit, patch, error, invalid).",
+            "(allow, deny, warn, audit, patch, error, invalid, expired: not evaluated, the API server had stopped waiting).",
             labels=("webhook", "operation", "kind", "decision"),
         )
         for labels, (value, created) in list(self._requests.items()):
@@ -105,6 +105,19 @@ class Metrics:
             "scrubgate_policy_info", "The policy in force (value 1), by digest.", ["digest"], registry=r
         )
         self.audit_records = Counter("scrubgate_audit_records", "Audit records written.", registry=r)
+        self.refusals = Counter(
+            "scrubgate_webhook_refusals",
+            "Deny findings in refused admission requests, every one (audited or not), by rule and reason (the "
+            "field the finding is about, list indices as *).",
+            ["rule", "reason"],
+            registry=r,
+        )
+        self.audit_repeats_unrecorded = Counter(
+            "scrubgate_webhook_audit_repeats_unrecorded",
+            "Refusals not written to the audit log because an identical one of the same object and user was "
+            "recorded within the repeat window (the next record after it says how many).",
+            registry=r,
+        )
         self.audit_write_errors = Counter(
             "scrubgate_audit_write_errors", "Audit records that could not be written.", registry=r
         )

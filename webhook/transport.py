@@ -6,12 +6,15 @@ a failed call (failurePolicy: Fail rejects the object): never an allow.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from . import deepjson
 from .review import ADMISSION_REVIEW, API_VERSION, KIND, AdmissionRequest, AdmissionResponse, compact_json
 
 _MAX_ERRORS_SHOWN = 3
@@ -24,6 +27,20 @@ class TransportError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+_DURATION = re.compile(r"(?:(\d+)m)?(\d+(?:\.\d+)?)(ms|s)")
+
+
+def request_timeout(query_string: bytes) -> float | None:
+    """Seconds the API server waits for the answer: it passes the webhook's timeoutSeconds as the `timeout` query
+    parameter, a Go duration (`5s`, `1m0s`, `500ms`); None when absent or unreadable."""
+    for value in parse_qs(query_string.decode("latin-1")).get("timeout", []):
+        match = _DURATION.fullmatch(value)
+        if match:
+            minutes, amount, unit = match.groups()
+            return int(minutes or 0) * 60 + float(amount) / (1000 if unit == "ms" else 1)
+    return None
 
 
 def check_content_type(value: bytes | None) -> None:
@@ -131,7 +148,13 @@ def decode(body: bytes) -> AdmissionRequest:
     try:
         document = from_json(body, allow_inf_nan=False)
     except ValueError as exc:
-        raise TransportError(400, f"malformed JSON: {exc}") from None
+        if "recursion limit exceeded" not in str(exc):
+            raise TransportError(400, f"malformed JSON: {exc}") from None
+        # Legal, only deeper than pydantic-core parses (opaque driver parameters): the slower decoder.
+        try:
+            document = deepjson.loads(body)
+        except deepjson.DeepJSONError as deep:
+            raise TransportError(400, f"malformed JSON: {deep}") from None
     try:
         request = ADMISSION_REVIEW.validate_python(document)["request"]
     except ValidationError as exc:

@@ -2,9 +2,9 @@
 relies on them (JSON patch with `test` ops, resourceVersion bumps, finalizers holding a deleted object,
 idempotent create/delete of DeviceTaintRules, discovery of the served DeviceTaintRule version).
 
-For the agent's tests, its benchmark and demos without a cluster. `hook(operation, args)` runs before
-every call and may raise (an API error, or a simulated crash). The real client is exercised against the
-HTTP stand-in in `devcluster/`.
+A test double for the agent's unit tests and its overhead benchmark (bench/agent_overhead.py); not shipped.
+`hook(operation, args)` runs before every call and may raise (an API error, or a simulated crash). The real
+client is exercised against a real kube-apiserver (tests/k8s_support.py, devcluster/).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Any
 import jsonpatch
 import jsonpointer
 from scrubgate.policies import names
-
-from .kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
+from scrubgate.sanitizer_agent.kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
 
 Hook = Callable[[str, tuple[Any, ...]], None]
 

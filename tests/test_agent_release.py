@@ -1,0 +1,166 @@
+"""When a claim counts as released: only once no live pod holds it, whatever its deletionTimestamp says."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+from agent_support import DRIVER, NODE, make_node
+from scrubgate.policies import names
+from scrubgate.sanitizer_agent.checkpoint import State
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_claim_being_deleted_is_not_scrubbed_while_its_pod_runs(tmp_path):
+    """The API server only forbids new reservations on a claim being deleted; the reserved pod keeps using
+    the GPU. Scrubbing then would attest memory the tenant is still writing."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    node.cluster.delete_claim("team-a", "job")  # held by our finalizer: deletionTimestamp set, pod still runs
+    agent.observe_pod("MODIFIED", node.cluster.pods[pod["metadata"]["uid"]])
+    agent.resync()
+    node.settle(agent)
+    td = agent.store.teardowns[claim["metadata"]["uid"]]
+    assert td.state == State.ALLOCATED, "not released while the reserved pod runs"
+    assert node.canary_present(0) and node.fenced(0)
+    annotations = node.cluster.claims[("team-a", "job")]["metadata"].get("annotations") or {}
+    assert names.ANNOTATION_ATTESTATION not in annotations
+
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    assert ("team-a", "job") not in node.cluster.claims, "attested, finalizer removed, the deleted claim went"
+    assert node.violations.found == []
+
+
+def extended_resource_pod(node, name: str, devices: list[int]) -> tuple[dict, dict]:
+    """A pod asking for `nvidia.com/gpu` (KEP-5004): the scheduler created and allocated its claim, reserved
+    it for the pod and named it in `status.extendedResourceClaimStatus`; the pod has no `spec.resourceClaims`."""
+    claim, pod = node.tenant(name, devices)
+    stored = node.cluster.pods[pod["metadata"]["uid"]]
+    del stored["spec"]["resourceClaims"]
+    del stored["status"]["resourceClaimStatuses"]
+    stored["status"]["extendedResourceClaimStatus"] = {
+        "resourceClaimName": name,
+        "requestMappings": [
+            {"containerName": "main", "resourceName": "nvidia.com/gpu", "requestName": "container-0-request-0"}
+        ],
+    }
+    return claim, copy.deepcopy(stored)
+
+
+def test_an_extended_resource_claim_is_fenced_from_the_pod_event_and_scrubbed(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = extended_resource_pod(node, "pod-gpu-x7k2q", [1])
+    agent.observe_pod("ADDED", pod)
+    assert claim["metadata"]["uid"] in agent.store.teardowns, "found from the pod, not at the claim resync"
+    assert node.fenced(1)
+    assert node.cluster.calls.count("list_claims") == 1, "only the list at start"
+
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(1) and not node.cluster.rules
+    annotations = node.cluster.claims[("team-a", "pod-gpu-x7k2q")]["metadata"]["annotations"]
+    assert names.ANNOTATION_ATTESTATION in annotations
+    assert node.violations.found == []
+
+
+def test_a_gpu_claim_without_the_finalizer_gets_it_and_a_warning(tmp_path):
+    """A class per GPU model (`h100-80gb`, selecting gpu.nvidia.com's devices) outside gpuDeviceClasses: the
+    webhook added no finalizer. The ResourceSlice says the device is a GPU, so the agent adds it."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim = node.cluster.add_claim("team-a", "model", [node.key(0)], finalizer=False)
+    node.cluster.claims[("team-a", "model")]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = (
+        "h100-80gb"
+    )
+    pod = node.cluster.add_pod("team-a", "model-pod", NODE, ["model"])
+    agent.observe_pod("ADDED", pod)
+    stored = node.cluster.claims[("team-a", "model")]
+    assert names.FINALIZER in stored["metadata"]["finalizers"]
+    (event,) = [e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]
+    assert event["type"] == "Warning"
+    assert event["involvedObject"]["name"] == "model" and event["involvedObject"]["uid"] == claim["metadata"]["uid"]
+    assert "h100-80gb" in event["message"] and "gpuDeviceClasses" in event["message"]
+    agent.resync()
+    assert len([e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]) == 1, "once"
+
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(0)
+    after = node.cluster.claims[("team-a", "model")]
+    assert names.ANNOTATION_ATTESTATION in after["metadata"]["annotations"]
+    assert names.FINALIZER not in after["metadata"]["finalizers"], "removed again with the attestation"
+    assert node.violations.found == []
+
+
+def test_no_finalizer_is_added_to_a_claim_being_deleted(tmp_path):
+    """The API server refuses new finalizers on an object being deleted: the agent does not try."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "going", [node.key(0)], finalizer=False)
+    meta = node.cluster.claims[("team-a", "going")]["metadata"]
+    meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    meta["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]  # the resourceclaim controller's, held while allocated
+    pod = node.cluster.add_pod("team-a", "going-pod", NODE, ["going"])
+    agent.observe_pod("ADDED", pod)
+    assert node.fenced(0)
+    assert node.cluster.claims[("team-a", "going")]["metadata"]["finalizers"] == [names.DELETE_PROTECTION_FINALIZER]
+    assert not [e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]
+
+
+def test_devices_the_agent_cannot_scrub_are_left_alone_and_said_once(tmp_path, caplog):
+    """A GPU bound to vfio-pci (NVIDIA's `type: vfio`) and a ComputeDomain channel (another driver, no uuid): no
+    fence that no scrub would ever lift, no teardown holding the claim; one log line per device."""
+    node = make_node(tmp_path)
+    node.cluster.add_slice(NODE, DRIVER, NODE, {"vfio-0": {"type": "vfio", "uuid": "GPU-vfio-0"}})
+    node.cluster.add_slice(NODE, "compute-domain.nvidia.com", NODE, {"channel-0": {"type": "channel"}})
+    agent = node.agent()
+    agent.start()
+    vfio, channel = (DRIVER, NODE, "vfio-0"), ("compute-domain.nvidia.com", NODE, "channel-0")
+    claim = node.cluster.add_claim("team-a", "passthrough", [vfio, channel])
+    pod = node.cluster.add_pod("team-a", "vm-pod", NODE, ["passthrough"])
+    with caplog.at_level(logging.WARNING, logger="scrubgate.sanitizer_agent.agent"):
+        agent.observe_pod("ADDED", pod)
+        agent.observe_pod("MODIFIED", node.cluster.pods[pod["metadata"]["uid"]])
+        agent.resync()
+    assert claim["metadata"]["uid"] not in agent.store.teardowns
+    assert not node.cluster.rules
+    said = [r.getMessage() for r in caplog.records if "is not scrubbed or fenced" in r.getMessage()]
+    assert len(said) == 2, said
+    assert any("vfio-0" in m and "vfio-pci" in m for m in said)
+    assert any("channel-0" in m and "compute-domain.nvidia.com" in m for m in said)
+
+
+def test_the_attestation_is_written_as_an_update_of_the_claim(tmp_path):
+    """The resourceclaim controller requeues a claim on any update of it, so its refused deallocation is retried
+    right after the attestation lands, not at the end of its backoff (up to 1000 s): the attestation must be a
+    write of the claim object itself (its annotations), not of a status or another object."""
+    node = make_node(tmp_path)
+    writes: list[tuple[str, str, list[dict]]] = []
+    monitor = node.cluster.hook
+
+    def hook(operation, args):
+        monitor(operation, args)
+        if operation == "patch_claim":
+            writes.append(args)
+
+    node.cluster.hook = hook
+    agent = node.agent()
+    agent.start()
+    node.job_ends(agent)
+    node.settle(agent)
+    key = "/metadata/annotations/" + names.ANNOTATION_ATTESTATION.replace("/", "~1")
+    attesting = [(ns, name) for ns, name, ops in writes if any(op["path"] == key for op in ops)]
+    assert attesting[:1] == [("team-a", "job")], "the attestation went into the claim's own annotations"
+    assert names.ANNOTATION_ATTESTATION in node.cluster.claims[("team-a", "job")]["metadata"]["annotations"]
+    assert node.violations.found == []

@@ -1,0 +1,246 @@
+"""What the real control plane does that scrubgate's guards must hold against, end to end (devcluster.harness on
+kube-apiserver, kube-controller-manager and kube-scheduler): a tenant's eviction (what `kubectl drain` sends),
+the pod garbage collector after a node is deleted, a claim deleted while its pod still runs, a pod asking for
+`nvidia.com/gpu` as an extended resource (the scheduler creates its claim), and kube-scheduler's PostFilter
+clearing the allocation of a claim its pod cannot use. After each: no device given to a new claim while dirty,
+no finalizer removed without a valid attestation, the audit chain intact."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2e_support import (
+    WAIT_S,
+    allocated_device,
+    assert_invariant,
+    canary_found,
+    create_template,
+    expect_denied,
+    running_claim,
+    tenant_namespace,
+    tenant_pod,
+    verified_attestation,
+    wait_gone,
+    wait_phase,
+)
+from scrubgate.policies import names
+
+from devcluster import workloads
+from devcluster.harness import Cluster, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+CANARY = "UPSTREAM-BEHAVIOUR-CANARY-5120"
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(tmp_path_factory.mktemp("kubernetes"), gpus=2).start() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(shared_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    yield shared_cluster
+    request.node.add_report_section("teardown", "devcluster logs", shared_cluster.diagnostics(60))
+    for process in (shared_cluster.node_process, shared_cluster.agent):
+        if not process.running:
+            process.start()
+    shared_cluster.wait_agent_ready()
+
+
+def evict(cluster: Cluster, user: str, namespace: str, pod: str, grace: int | None = None) -> dict:
+    """What `kubectl drain` (and `kubectl evict`) send: a policy/v1 Eviction, through pods/eviction."""
+    body: dict = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
+    if grace is not None:
+        body["deleteOptions"] = {"gracePeriodSeconds": grace}
+    return cluster.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", body, user=user)
+
+
+def next_tenant_finds_nothing(cluster: Cluster, namespace: str, uuid: str, device: tuple[str, str, str]) -> None:
+    """bob asks for exactly that GPU; he gets it only once it is clean, and finds no canary."""
+    create_template(cluster, "bob", namespace, "same-gpu", selectors=[workloads.uuid_selector(uuid)])
+    tenant_pod(cluster, "bob", namespace, "next", template="same-gpu", look_for=CANARY)
+    claim = running_claim(cluster, namespace, "next")
+    assert allocated_device(claim) == device
+    assert canary_found(cluster.pod(namespace, "next") or {}) is False, "the next tenant found the canary"
+    cluster.core("bob").delete_namespaced_pod("next", namespace)
+    wait_gone(cluster, namespace, claim["metadata"]["name"])
+
+
+def test_a_tenants_eviction_cannot_force_delete_but_a_drain_is_scrubbed(cluster: Cluster) -> None:
+    ns, next_ns = tenant_namespace(cluster, "evict"), tenant_namespace(cluster, "evict-next")
+    create_template(cluster, "alice", ns, "one-gpu")
+    tenant_pod(cluster, "alice", ns, "trainer", template="one-gpu", canary=CANARY)
+    claim = running_claim(cluster, ns, "trainer")
+    device = allocated_device(claim)
+    # An eviction with grace period 0 is a force delete that no pod DELETE admission would see.
+    expect_denied(lambda: evict(cluster, "alice", ns, "trainer", grace=0), "SG008")
+    assert cluster.audit_denials("SG008", namespace=ns, user="alice")
+    assert (cluster.pod(ns, "trainer") or {}).get("status", {}).get("phase") == "Running"
+    # A drain's eviction with the pod's own grace period goes through; the device is scrubbed first.
+    evict(cluster, "alice", ns, "trainer")
+    wait_gone(cluster, ns, claim["metadata"]["name"])
+    verified_attestation(cluster, claim["metadata"]["uid"])
+    next_tenant_finds_nothing(cluster, next_ns, cluster.device_uuid(device[2]), device)
+    assert_invariant(cluster)
+
+
+def test_pods_of_a_deleted_node_are_collected_and_their_devices_still_scrubbed(cluster: Cluster) -> None:
+    """The node goes away (its kubelet stops, an admin deletes the Node): the pod GC marks its pods Failed and
+    deletes them with grace 0. Their claims keep their devices allocated until the agent has scrubbed them."""
+    ns = tenant_namespace(cluster, "podgc")
+    create_template(cluster, "alice", ns, "one-gpu")
+    tenant_pod(cluster, "alice", ns, "trainer", template="one-gpu", canary=CANARY)
+    claim = running_claim(cluster, ns, "trainer")
+    device = allocated_device(claim)
+    uuid = cluster.device_uuid(device[2])
+    cluster.agent.stop()
+    cluster.node_process.stop()  # the kubelet is gone (its containers with it)
+    cluster.request("DELETE", f"/api/v1/nodes/{cluster.node}")
+    wait_for(lambda: cluster.pod(ns, "trainer") is None, WAIT_S * 2, f"the pod GC deleting {ns}/trainer")
+    # No agent: the resourceclaim controller's deallocation is refused, the device stays allocated.
+    wait_for(
+        lambda: cluster.audit_denials("SG007", namespace=ns, name=claim["metadata"]["name"], subResource="status"),
+        WAIT_S,
+        "the refused deallocation",
+    )
+    held = cluster.claim(ns, claim["metadata"]["name"])
+    assert held is not None and (held.get("status") or {}).get("allocation"), "deallocated without a scrub"
+    assert CANARY.encode() in cluster.gpu_memory(uuid)
+    cluster.node_process.start()  # the node comes back and registers again
+    cluster.agent.start()
+    wait_gone(cluster, ns, claim["metadata"]["name"])
+    verified_attestation(cluster, claim["metadata"]["uid"])
+    assert CANARY.encode() not in cluster.gpu_memory(uuid)
+    assert_invariant(cluster)
+
+
+def test_a_claim_deleted_while_its_pod_runs_is_not_scrubbed_under_it(cluster: Cluster) -> None:
+    """Deletion is not release: the API server keeps the pod reserved and running; the agent waits for it."""
+    ns = tenant_namespace(cluster, "deleting", trusted=True)  # a named claim: single-tenant namespaces only
+    cluster.request(
+        "POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("shared-gpu"), user="alice"
+    )
+    body = workloads.pod("trainer", claim="shared-gpu", annotations=workloads.workload_annotations(canary=CANARY))
+    cluster.core("alice").create_namespaced_pod(ns, body)
+    claim = named_claim_running(cluster, ns, "trainer", "shared-gpu")
+    uuid = cluster.device_uuid(allocated_device(claim)[2])
+    wait_for(lambda: fenced(cluster, ns, "shared-gpu"), WAIT_S, "the fence")
+    cluster.request("DELETE", cluster.resource_path("resourceclaims", ns, "shared-gpu"), user="alice")
+    deleting = wait_for(
+        lambda: (c := cluster.claim(ns, "shared-gpu")) and c["metadata"].get("deletionTimestamp") and c,
+        WAIT_S,
+        "the claim being deleted",
+    )
+    assert [r["name"] for r in deleting["status"]["reservedFor"]] == ["trainer"]
+    # Through two of the agent's resyncs (--resync 5): still fenced, nothing attested, the pod's memory intact.
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:
+        now = cluster.claim(ns, "shared-gpu") or {}
+        assert scrub_status(now) == names.SCRUB_FENCED, f"scrubbed under a running pod: {scrub_status(now)}"
+        assert names.ANNOTATION_ATTESTATION not in (now["metadata"].get("annotations") or {})
+        assert CANARY.encode() in cluster.gpu_memory(uuid), "the running pod's memory was scrubbed under it"
+        time.sleep(0.5)
+    cluster.core("alice").delete_namespaced_pod("trainer", ns)
+    wait_gone(cluster, ns, "shared-gpu")
+    verified_attestation(cluster, claim["metadata"]["uid"])
+    assert CANARY.encode() not in cluster.gpu_memory(uuid)
+    assert_invariant(cluster)
+
+
+def test_a_pod_asking_for_nvidia_com_gpu_is_guarded_like_any_gpu_claim(cluster: Cluster) -> None:
+    """KEP-5004: no spec.resourceClaims; kube-scheduler creates the claim (DeviceClass gpu.nvidia.com has
+    extendedResourceName nvidia.com/gpu) and names it in status.extendedResourceClaimStatus."""
+    ns, next_ns = tenant_namespace(cluster, "extended"), tenant_namespace(cluster, "extended-next")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "trainer", "annotations": workloads.workload_annotations(canary=CANARY)},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 60,
+            "containers": [{"name": "cuda", "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+        },
+    }
+    cluster.core("alice").create_namespaced_pod(ns, body)
+    wait_phase(cluster, ns, "trainer", "Running")
+    name = wait_for(lambda: cluster.pod_claim(ns, "trainer"), WAIT_S, "the scheduler's claim")
+    claim = cluster.claim(ns, name)
+    assert claim is not None and names.FINALIZER in claim["metadata"]["finalizers"]
+    device = allocated_device(claim)
+    wait_for(lambda: fenced(cluster, ns, name), WAIT_S, "the fence")
+    expect_denied(lambda: cluster.core("alice").delete_namespaced_pod("trainer", ns, grace_period_seconds=0), "SG008")
+    cluster.core("alice").delete_namespaced_pod("trainer", ns)
+    wait_gone(cluster, ns, name)
+    verified_attestation(cluster, claim["metadata"]["uid"])
+    next_tenant_finds_nothing(cluster, next_ns, cluster.device_uuid(device[2]), device)
+    assert_invariant(cluster)
+
+
+def test_postfilter_deallocation_of_an_unscrubbed_claim_keeps_the_device_fenced(cluster: Cluster) -> None:
+    """A named claim whose pod ended while the agent was down stays allocated (its deallocation refused). A new
+    pod naming it cannot be scheduled anywhere; kube-scheduler's PostFilter clears the allocation of a claim
+    reserved for nobody so that the pod may try elsewhere. The device is still fenced: nobody gets it dirty."""
+    ns, next_ns = tenant_namespace(cluster, "postfilter", trusted=True), tenant_namespace(cluster, "pf-next")
+    cluster.request(
+        "POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("named"), user="alice"
+    )
+    body = workloads.pod("first", claim="named", annotations=workloads.workload_annotations(canary=CANARY))
+    cluster.core("alice").create_namespaced_pod(ns, body)
+    claim = named_claim_running(cluster, ns, "first", "named")
+    device = allocated_device(claim)
+    uuid = cluster.device_uuid(device[2])
+    wait_for(lambda: fenced(cluster, ns, "named"), WAIT_S, "the fence")
+    cluster.agent.stop()
+    cluster.core("alice").delete_namespaced_pod("first", ns)
+    wait_for(lambda: cluster.pod(ns, "first") is None, WAIT_S, "the first pod gone")
+    wait_for(
+        lambda: not ((cluster.claim(ns, "named") or {}).get("status") or {}).get("reservedFor"),
+        WAIT_S,
+        "the claim reserved for nobody",
+    )
+    second = workloads.pod("second", claim="named")
+    second["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "no-such-node"}
+    cluster.core("alice").create_namespaced_pod(ns, second)
+    wait_for(
+        lambda: not ((cluster.claim(ns, "named") or {}).get("status") or {}).get("allocation"),
+        WAIT_S * 2,
+        "kube-scheduler's PostFilter clearing the allocation",
+    )
+    # Deallocated, unscrubbed: the fence is what keeps the next tenant off the device.
+    create_template(cluster, "bob", next_ns, "same-gpu", selectors=[workloads.uuid_selector(uuid)])
+    tenant_pod(cluster, "bob", next_ns, "next", template="same-gpu", look_for=CANARY)
+    wait_for(lambda: unschedulable(cluster, next_ns, "next"), WAIT_S, "the next tenant turned away by the fence")
+    assert CANARY.encode() in cluster.gpu_memory(uuid)
+    cluster.core("alice").delete_namespaced_pod("second", ns)
+    cluster.agent.start()  # finds the fenced, unattested device on its record and scrubs it
+    pod = wait_phase(cluster, next_ns, "next", "Running", timeout=WAIT_S * 2)
+    assert canary_found(pod) is False and CANARY.encode() not in cluster.gpu_memory(uuid)
+    next_claim = running_claim(cluster, next_ns, "next")
+    cluster.core("bob").delete_namespaced_pod("next", next_ns)
+    wait_gone(cluster, next_ns, next_claim["metadata"]["name"])
+    assert_invariant(cluster)
+
+
+def named_claim_running(cluster: Cluster, namespace: str, pod: str, claim: str) -> dict:
+    """The claim ``pod`` names (resourceClaimName), once the pod runs."""
+    wait_phase(cluster, namespace, pod, "Running")
+    found = cluster.claim(namespace, claim)
+    assert found is not None, f"claim {namespace}/{claim} of running pod {pod} does not exist"
+    return found
+
+
+def scrub_status(claim: dict) -> str | None:
+    return ((claim.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_SCRUB_STATUS)
+
+
+def fenced(cluster: Cluster, namespace: str, name: str) -> bool:
+    return scrub_status(cluster.claim(namespace, name) or {}) == names.SCRUB_FENCED
+
+
+def unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
+    conditions = ((cluster.pod(namespace, pod) or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)

@@ -1,0 +1,131 @@
+"""Heavy requests (a 2 MB pod with 25,000 tolerations, legal and sent by the API server) neither hold up small
+ones nor fill the audit log: big bodies are evaluated off the event loop, and what one answer and one record
+carry of their findings is bounded, with the count of the rest."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from scrubgate.policies.config import load_policy
+from scrubgate.webhook import handlers
+from scrubgate.webhook.transport import decode, request_timeout
+from webhook_support import audit_records, gpu_claim, gpu_pod, review, serving
+
+FENCE_TOLERATION = {"key": "scrubgate.dev/unsanitized", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def heavy_pod(tolerations: int = 25_000) -> dict:
+    return gpu_pod(tolerations=[dict(FENCE_TOLERATION, value=f"v{i}") for i in range(tolerations)])
+
+
+def test_a_heavy_refusal_has_a_bounded_answer_and_record_that_count_the_rest(tmp_path):
+    with serving(tmp_path) as webhook:
+        body = review(heavy_pod())
+        assert len(json.dumps(body)) > 2_000_000
+        response = webhook.http.post("/validate", json=body)
+        assert response.status_code == 200
+        answer = response.json()["response"]
+        assert answer["allowed"] is False
+        message = answer["status"]["message"]
+        assert len(message) < 20_000
+        assert message.endswith("more findings)")
+        (record,) = audit_records(webhook)
+        size = len(Path(webhook.audit_path).read_bytes())
+        total = record["findingsOmitted"] + len(record["findings"])
+        assert size < 64_000, f"one record of {size} bytes"
+        assert len(record["findings"]) == 20 and total == sum(record["findingsByRule"].values())
+        assert f"(and {total - 20} more findings)" in message
+
+
+def test_a_small_request_is_answered_while_heavy_ones_are_evaluated(tmp_path, monkeypatch):
+    """A heavy evaluation is held inside the policy call, others wait for the worker; a small /mutate is answered."""
+    entered, release = threading.Semaphore(0), threading.Event()
+    real = handlers.handle_validate
+
+    def held(request, policy, *, trusted):
+        if len((request.object or {}).get("spec", {}).get("tolerations") or []) > 1000:
+            entered.release()
+            release.wait(30)
+        return real(request, policy, trusted=trusted)
+
+    monkeypatch.setattr(handlers, "handle_validate", held)
+    with serving(tmp_path) as webhook:
+        body = json.dumps(review(heavy_pod(5_000))).encode()
+        answers: list[int] = []
+
+        def post_heavy() -> None:
+            with webhook.client() as client:
+                answers.append(
+                    client.post("/validate", content=body, headers={"content-type": "application/json"}).status_code
+                )
+
+        heavy = [threading.Thread(target=post_heavy) for _ in range(3)]
+        for thread in heavy:
+            thread.start()
+        try:
+            assert entered.acquire(timeout=20), "a heavy request reached the policy"
+            small = webhook.http.post("/mutate", json=review(gpu_claim()), timeout=10)
+            assert small.status_code == 200 and small.json()["response"]["allowed"] is True
+            assert answers == [], "answered while the heavy requests were still being evaluated or waiting for it"
+        finally:
+            release.set()
+            for thread in heavy:
+                thread.join(30)
+        assert answers == [200, 200, 200]
+
+
+@pytest.mark.parametrize("size", [10, 200])
+def test_a_deny_message_lists_at_most_twenty_findings(size):
+    request = decode(json.dumps(review(heavy_pod(size))).encode())
+    outcome = handlers.handle_validate(request, load_policy(None), trusted=False)
+    message = outcome.response.status.message
+    assert message.count("SG005") == min(size, 20)
+    assert ("more findings" in message) is (size > 20)
+
+
+def test_a_heavy_request_the_api_server_stopped_waiting_for_is_not_evaluated(tmp_path, monkeypatch):
+    """The worker is busy past the second request's `?timeout=1s`: its turn comes too late, and it is skipped."""
+    entered, release = threading.Semaphore(0), threading.Event()
+    evaluated: list[str] = []
+    real = handlers.handle_validate
+
+    def held(request, policy, *, trusted):
+        evaluated.append(request.uid)
+        if len(evaluated) == 1:
+            entered.release()
+            release.wait(30)
+        return real(request, policy, trusted=trusted)
+
+    monkeypatch.setattr(handlers, "handle_validate", held)
+    with serving(tmp_path) as webhook:
+        statuses: dict[str, int] = {}
+
+        def post_heavy(name: str, query: str) -> None:
+            body = json.dumps(review(heavy_pod(5_000))).encode()
+            with webhook.client() as client:
+                response = client.post(f"/validate{query}", content=body, headers={"content-type": "application/json"})
+                statuses[name] = response.status_code
+
+        first = threading.Thread(target=post_heavy, args=("first", "?timeout=30s"))
+        first.start()
+        assert entered.acquire(timeout=20)
+        late = threading.Thread(target=post_heavy, args=("late", "?timeout=1s"))
+        late.start()
+        time.sleep(1.5)  # past the late request's timeout while the worker is still busy
+        release.set()
+        first.join(30)
+        late.join(30)
+        assert statuses == {"first": 200, "late": 503}
+        assert len(evaluated) == 1, "the late request never reached the policy"
+
+
+@pytest.mark.parametrize(
+    ("query", "seconds"),
+    [(b"timeout=5s", 5.0), (b"timeout=1m0s", 60.0), (b"timeout=500ms", 0.5), (b"", None), (b"timeout=soon", None)],
+)
+def test_the_api_servers_timeout_is_read_from_the_query(query, seconds):
+    assert request_timeout(query) == seconds
