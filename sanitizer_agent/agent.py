@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,8 @@ class Agent:
         self._lock = threading.Lock()
         workers = settings.max_concurrent_teardowns
         self._lanes = Lanes(workers, f"teardown-{self.node}") if workers > 0 else None
+        self._sight_pool = ThreadPoolExecutor(workers, f"first-sight-{self.node}") if workers > 0 else None
+        self._slices_lock = threading.Lock()  # one refresh at a time (first sights run side by side)
 
     @property
     def engine(self) -> TeardownEngine:
@@ -174,6 +177,10 @@ class Agent:
         self._check_releases()
 
     def _refresh_slices(self) -> None:
+        with self._slices_lock:
+            self._refresh_slices_now()
+
+    def _refresh_slices_now(self) -> None:
         self._slices_read = time.monotonic()
         try:
             self._slices = slice_devices(self.cluster.list_node_slices(self.node))
@@ -518,6 +525,8 @@ class Agent:
 
     def close(self) -> None:
         """Lets the lanes finish what they are doing (a step under way ends in a checkpointed state)."""
+        if self._sight_pool is not None:
+            self._sight_pool.shutdown(wait=True)
         if self._lanes is not None:
             self._lanes.close()
 
@@ -537,19 +546,49 @@ class Agent:
         next_resync = time.monotonic() + self.settings.resync_s
         while not stop.is_set():
             wait = min(self.tick(), max(next_resync - time.monotonic(), 0.0))
+            batch: list[tuple[str, Any]] = []
             try:
-                item = events.get(timeout=wait)
+                batch.append(events.get(timeout=wait))
                 while True:
-                    self._handle(item)
-                    item = events.get_nowait()
+                    batch.append(events.get_nowait())
             except queue.Empty:
                 pass
+            self.observe_batch(batch)
             if time.monotonic() >= next_resync:
                 try:
                     self.resync()
                 except ClusterError as exc:
                     log.warning("resync of node %s failed: %s", self.node, exc)
                 next_resync = time.monotonic() + self.settings.resync_s
+
+    def observe_batch(self, batch: list[tuple[str, Any]]) -> None:
+        """Watch events that came together, handled in order, after the claims of running pods among them that
+        the agent has not seen yet are read and fenced side by side (with lanes): a burst of allocations is
+        fenced in a few API round trips, not one claim after the other."""
+        if self._sight_pool is not None:
+            unseen = {
+                (namespace, name): None
+                for kind, payload in batch
+                for pod in (payload if kind == "LIST" else [payload] if kind in ("ADDED", "MODIFIED") else [])
+                if not pod_finished(pod)
+                for namespace in [(pod.get("metadata") or {}).get("namespace") or ""]
+                for name in pod_claim_names(pod)
+                if self._find(namespace, name) is None
+            }
+            if len(unseen) > 1:
+                list(self._sight_pool.map(lambda key: self._first_sight(*key), unseen))
+        for item in batch:
+            self._handle(item)
+
+    def _first_sight(self, namespace: str, name: str) -> None:
+        """What `observe_pod` does for a running pod's claim that the agent has not seen."""
+        try:
+            claim = self.cluster.get_claim(namespace, name)
+        except ClusterError:
+            return  # the event's own handling asks again
+        td = self._track(claim) if claim is not None else None
+        if td is not None:
+            self._submit(td, lambda: self._check_release(td, claim))
 
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item

@@ -210,15 +210,16 @@ class TeardownEngine:
         checkpointed first. Fences are only ever added here: a device drops out with the teardown."""
         if td.state not in FENCED_STATES:
             return
-        known = {o.key for o in td.overlaps}
-        added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+        with self.store.lock:  # first sights of other claims may look at the same time
+            known = {o.key for o in td.overlaps}
+            added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+            if added:
+                td.overlaps = [*td.overlaps, *added]
         if not added:
             return
         log.warning(
             "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
         )
-        with self.store.lock:
-            td.overlaps = [*td.overlaps, *added]
         self._save()
         self._fenced.pop(td.claim.uid, None)
         self.ensure_fenced(td)

@@ -331,3 +331,33 @@ def test_the_api_client_keeps_a_connection_per_concurrent_call(tmp_path):
     client = KubernetesClusterClient.from_config(str(kubeconfig), 300)
     assert client.api.rest_client.pool_manager.connection_pool_kw["maxsize"] == 300
     assert client.api.configuration.host == "https://127.0.0.1:1"
+
+
+def test_a_burst_of_allocations_is_read_and_fenced_side_by_side(node):
+    both = threading.Barrier(2, timeout=WAIT_S)
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(node.cluster, name)
+
+        def get_claim(self, namespace: str, name: str) -> Any:
+            if name in ("a", "b"):
+                both.wait()  # two first sights at once, or the barrier breaks
+            return node.cluster.get_claim(namespace, name)
+
+    scrubs = GatedScrubs(node.backend())
+    agent = concurrent_agent(node, workers=2, cluster=Api(), backend=scrubs)
+    agent.start()
+    try:
+        node.job_ends(agent, "old", (0,))
+        assert started(scrubs, 1)  # a scrub runs all along
+        pods = [node.tenant(name, [i])[1] for name, i in (("a", 1), ("b", 2))]
+        agent.observe_batch([("ADDED", pod) for pod in pods])
+        assert not both.broken and node.fenced(1) and node.fenced(2)
+        scrubs.gate.set()
+        settle(node, agent)
+    finally:
+        scrubs.gate.set()
+        agent.close()
+    assert [claim_status(node, name) for name in ("a", "b")] == [names.SCRUB_FENCED] * 2
+    assert node.clean(0) and node.violations.found == []
