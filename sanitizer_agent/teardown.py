@@ -208,9 +208,9 @@ class TeardownEngine:
         """Fences, for a teardown that may still be dirty, the devices of `slices` sharing memory with its
         own that it does not fence yet (the slices were unknown at first sight, or have changed since);
         checkpointed first. Fences are only ever added here: a device drops out with the teardown."""
-        if td.state not in FENCED_STATES:
-            return
-        with self.store.lock:  # first sights of other claims may look at the same time
+        with self.store.lock:  # the claim's lane may be moving it on meanwhile
+            if td.state not in FENCED_STATES:
+                return
             known = {o.key for o in td.overlaps}
             added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
             if added:
@@ -221,8 +221,12 @@ class TeardownEngine:
             "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
         )
         self._save()
-        self._fenced.pop(td.claim.uid, None)
-        self.ensure_fenced(td)
+        # Under the lock: an unfence (a transition, then the lift) cannot slip in between, or it could lift the
+        # fences before these go up and leave them standing.
+        with self.store.lock:
+            if td.state in FENCED_STATES:
+                self._fenced.pop(td.claim.uid, None)
+                self.ensure_fenced(td)
 
     def release(self, td: Teardown, reason: str, consumers: list[tuple[str, str]] | None = None) -> None:
         """The claim no longer holds its devices; `consumers` are the pods it was reserved for (the attestation
