@@ -1,7 +1,7 @@
 """The whole lifecycle under load, end to end: claims/s and release-to-clean latency.
 
-Each run starts a fresh local installation (devcluster.harness: the API stand-in with its scheduler,
-resourceclaim controller, kubelet and NVIDIA-like driver over simulated GPUs; the real webhook and the real
+Each run starts a fresh local installation (devcluster.harness: etcd, kube-apiserver, kube-controller-manager and
+kube-scheduler; the kubelet stand-in and NVIDIA-like driver over simulated GPUs; the real webhook and the real
 agent as separate processes) and puts devcluster.load's workload through it: Job pods, each with a claim
 from a ResourceClaimTemplate (MIG slices, every 8th a whole GPU), each looking for earlier tenants' canaries,
 writing its own and ending after a few seconds; at most --parallelism pods at once.

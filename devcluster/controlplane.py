@@ -334,28 +334,27 @@ class ControlPlane:
         return argv
 
     def _controller_manager_argv(self) -> list[str]:
-        kubeconfig = self.credentials["controller-manager"].kubeconfig
-        return [
-            self.bins["kube-controller-manager"],
-            f"--kubeconfig={kubeconfig}",
-            f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}",
+        return self._component_argv(
+            "kube-controller-manager",
+            "controller-manager",
             "--use-service-account-credentials",
             f"--root-ca-file={self.pki.ca_cert}",
             f"--controllers={','.join(CONTROLLERS)}",
-            "--leader-elect=false",
-            "--bind-address=127.0.0.1",
-            "--secure-port=0",
-            f"--feature-gates={self._feature_gates()}",
-        ]
+        )
 
     def _scheduler_argv(self) -> list[str]:
-        kubeconfig = self.credentials["scheduler"].kubeconfig
+        return self._component_argv("kube-scheduler", "scheduler")
+
+    def _component_argv(self, binary: str, credential: str, *flags: str) -> list[str]:
+        """A control-plane component with its own kubeconfig (for its API calls and for checking callers of its
+        own, disabled, serving port), no leader election, the same feature gates as the API server."""
+        kubeconfig = self.credentials[credential].kubeconfig
         return [
-            self.bins["kube-scheduler"],
+            self.bins[binary],
             f"--kubeconfig={kubeconfig}",
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
+            *flags,
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
             "--secure-port=0",

@@ -56,7 +56,7 @@ from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from . import driver
 from .controlplane import ControlPlane, StaticUser, binaries
 from .observer import Observed, Observer, invariant_violations
-from .pki import write_kubeconfig
+from .pki import issue_client_cert, write_kubeconfig
 from .processes import REPO_ROOT, HarnessError, ManagedProcess, free_port, wait_for
 from .rest import Rest
 from .serviceproxy import applied_file
@@ -156,6 +156,8 @@ class Paths:
     driver_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
     webhook_configurations: Path = field(init=False)
+    client_ca: Path = field(init=False)
+    admission_config: Path = field(init=False)
     logs: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +174,8 @@ class Paths:
         self.driver_kubeconfig = r / "node" / "driver-kubeconfig.yaml"
         self.audit_log = r / "audit" / "audit.jsonl"
         self.webhook_configurations = r / "webhook-configurations.yaml"
+        self.client_ca = r / "webhook-client" / "ca.crt"
+        self.admission_config = r / "webhook-client" / "admission-configuration.yaml"
         self.logs = r / "logs"
 
 
@@ -228,6 +232,7 @@ class Cluster:
             self.paths.root / "control-plane",
             users=[StaticUser(u.name, u.token, u.groups) for k, u in self.users.items() if k != "agent"],
             version=version,
+            admission_config=self.paths.admission_config,
             ready_timeout=ready_timeout,
         )
         self._agent_args = list(agent_args)
@@ -253,7 +258,6 @@ class Cluster:
     def start(self) -> Cluster:
         try:
             self._prepare()
-            self.control_plane.start()
             self.service.start()
             self.service_port = int(
                 wait_for(
@@ -265,6 +269,8 @@ class Cluster:
                     "the webhook Service's port",
                 )
             )
+            self._webhook_client_credentials()
+            self.control_plane.start()
             self._install_node()
             self.webhook.start()
             self.wait_webhook_ready()
@@ -341,6 +347,46 @@ class Cluster:
         p.signing_key.chmod(0o600)
         self.write_policy(policy_with_key(public_key_pem(self._signing_key)))
         self.set_webhook_port(self.webhook_port)
+
+    def _webhook_client_credentials(self) -> None:
+        """The API server's client certificate for webhooks, from a CA of its own (the ConfigMap
+        scrubgate-webhook-client-ca of the base; README, "Installing on a cluster"), given to kube-apiserver
+        through --admission-control-config-file for the host it dials; the webhook runs with --client-ca."""
+        directory = self.paths.client_ca.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = generate_ca("scrubgate-apiserver-client-ca")
+        pair = issue_client_cert(ca, "kube-apiserver")
+        (directory / "client.crt").write_bytes(pair.cert_pem)
+        (directory / "client.key").write_bytes(pair.key_pem)
+        self.paths.client_ca.write_bytes(ca.cert_pem)
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "users": [
+                {
+                    "name": f"127.0.0.1:{self.service_port}",  # the host:port the webhook configurations' url names
+                    "user": {
+                        "client-certificate": str(directory / "client.crt"),
+                        "client-key": str(directory / "client.key"),
+                    },
+                }
+            ],
+        }
+        (directory / "kubeconfig.yaml").write_text(yaml.safe_dump(kubeconfig))
+        plugin = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "WebhookAdmissionConfiguration",
+            "kubeConfigFile": str(directory / "kubeconfig.yaml"),
+        }
+        admission = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "AdmissionConfiguration",
+            "plugins": [
+                {"name": name, "configuration": plugin}
+                for name in ("ValidatingAdmissionWebhook", "MutatingAdmissionWebhook")
+            ],
+        }
+        self.paths.admission_config.write_text(yaml.safe_dump(admission))
 
     def write_policy(self, policy: dict[str, Any]) -> None:
         """Replace the webhook's policy file (the webhook reloads it on change)."""
@@ -456,6 +502,7 @@ class Cluster:
             "--tls-key": p.certs / "tls.key",
             "--policy": p.policy,
             "--audit-log": p.audit_log,
+            "--client-ca": p.client_ca,  # as the base's Deployment: only the API server may ask
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 

@@ -16,7 +16,7 @@ their claims were allocated, and reports their status.
   the API without that (force deletion) still has its process killed on the next pass, as the
   real kubelet does, possibly after its devices were already released.
 
-Container processes outlive the stand-in process (their own sessions); a restarted kubelet adopts
+Container processes outlive the node process (their own sessions); a restarted kubelet adopts
 them from the pod status (``containerID: devcluster://<pid>``).
 """
 
@@ -333,7 +333,7 @@ class Kubelet:
         if running.process is not None:
             running.process.wait()
         else:
-            # Adopted: normally init reaps it; if it is our own child (a stand-in restarted in the
+            # Adopted: normally init reaps it; if it is our own child (a node restarted in the
             # same process), reap it here so no zombie is left.
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(running.pid, 0)

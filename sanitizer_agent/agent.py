@@ -48,6 +48,7 @@ from .claims import (
     slice_devices,
     unscrubbable,
 )
+from .device_access import require_device_access
 from .fences import Fencer
 from .gpu import GpuBackend
 from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
@@ -162,6 +163,7 @@ class Agent:
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()
+        require_device_access(self.node, self._slices, self.backend)
         owed = [td for td in self.store.teardowns.values() if td.state in FENCED_STATES]
         if owed:
             log.info("node %s: checkpoint owes %d teardown(s); re-fencing them first", self.node, len(owed))
@@ -361,7 +363,8 @@ class Agent:
         devices = []
         for key in keys:
             known = self._slice(key)
-            # Ours: a GPU of this node the agent can scrub, or one our own annotation recorded.
+            # Ours: a GPU or dynamic MIG placement of this node the agent can scrub, or one our own annotation
+            # recorded.
             if (known is not None and self._scrubbable(key, known)) or key in recorded:
                 devices.append((key, (known.uuid if known else None) or recorded.get(key)))
         if not devices:

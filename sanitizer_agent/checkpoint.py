@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .gpu.base import MigPlacement
+
 VERSION = 1
 DEFAULT_PATH = Path("/var/lib/scrubgate/agent-checkpoint.json")
 
@@ -87,6 +89,8 @@ class DeviceRecord(FencedDevice):
 
     failed_rule: str  # our DeviceTaintRule with scrubgate.dev/scrub-failed, while failed
     scrub: ScrubRecord | None = None
+    # A dynamic MIG device: NVIDIA's driver deletes it on unprepare, so it is scrubbed through its placement.
+    placement: MigPlacement | None = None
 
 
 class OverlapRecord(FencedDevice):

@@ -11,6 +11,9 @@ from typing import Any
 
 from scrubgate.policies import names
 
+from .gpu.base import MigPlacement
+from .partitions import Partition, partition_of, placement_of
+
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 
 # NVIDIA's DRA driver publishes every GPU under this driver name; its `type` attribute tells a GPU or MIG
@@ -28,6 +31,10 @@ class SliceDevice:
     uuid: str | None
     parent_uuid: str | None
     type: str | None = None
+    # Partitionable devices (dynamic MIG): the memory slices it consumes, and where a MIG device not
+    # created yet would live (see partitions.py).
+    partition: Partition | None = None
+    placement: MigPlacement | None = None
 
 
 def unscrubbable(key: DeviceKey, device: SliceDevice) -> str | None:
@@ -36,8 +43,8 @@ def unscrubbable(key: DeviceKey, device: SliceDevice) -> str | None:
         return f"driver {key[0]} is not NVIDIA's GPU driver ({GPU_DRIVER}): no GPU memory the agent can reach"
     if device.type is not None and device.type not in SCRUBBABLE_TYPES:
         return f"type {device.type} (a GPU bound to vfio-pci for passthrough): NVML and CUDA cannot reach its memory"
-    if not device.uuid:
-        return "no uuid attribute in this node's ResourceSlices: the agent cannot tell which GPU it is"
+    if not device.uuid and device.placement is None:
+        return "no uuid attribute and no MIG placement in this node's ResourceSlices: the agent cannot tell which GPU it is"
     return None
 
 
@@ -255,17 +262,22 @@ def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevi
             if not isinstance(name, str):
                 continue
             attributes = _dict(d.get("attributes")) or _dict(_dict(d.get("basic")).get("attributes"))
+            parent_uuid = _string_attribute(attributes, driver, "parentUUID")
+            partition = partition_of(d)
             found[(driver, pool, name)] = SliceDevice(
                 uuid=_string_attribute(attributes, driver, "uuid"),
-                parent_uuid=_string_attribute(attributes, driver, "parentUUID"),
+                parent_uuid=parent_uuid,
                 type=_string_attribute(attributes, driver, "type"),
+                partition=partition,
+                placement=placement_of(name, parent_uuid, partition),
             )
     return found
 
 
 def overlapping(key: DeviceKey, slices: Mapping[DeviceKey, SliceDevice]) -> list[DeviceKey]:
     """The devices in `slices` whose memory overlaps `key`'s: the GPU it is carved from (the one whose
-    `uuid` is its `parentUUID`) and the MIG devices carved from it (whose `parentUUID` is its `uuid`).
+    `uuid` is its `parentUUID`), the MIG devices carved from it (whose `parentUUID` is its `uuid`), and the
+    partitionable devices consuming one of its memory slices (dynamic MIG placements that overlap).
     A MIG device not yet created may publish no `uuid` of its own, so children match on theirs alone."""
     device = slices.get(key)
     if device is None:
@@ -274,7 +286,11 @@ def overlapping(key: DeviceKey, slices: Mapping[DeviceKey, SliceDevice]) -> list
         other
         for other, d in slices.items()
         if other != key
-        and ((device.parent_uuid and d.uuid == device.parent_uuid) or (device.uuid and d.parent_uuid == device.uuid))
+        and (
+            (device.parent_uuid and d.uuid == device.parent_uuid)
+            or (device.uuid and d.parent_uuid == device.uuid)
+            or (device.partition is not None and device.partition.overlaps(d.partition))
+        )
     ]
 
 

@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default: $NODE_NAME)")
     parser.add_argument("--gpu-backend", choices=("nvml", "simulated"), default="nvml")
     parser.add_argument("--simulated-root", help="state directory of the simulated GPU backend")
+    parser.add_argument(
+        "--max-unreachable",
+        type=float,
+        default=0.02,
+        help="nvml: share of a device's usable memory the scrub may leave unreached (its own CUDA context) and "
+        "still verify (default 0.02)",
+    )
     parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="the agent's checkpoint file (hostPath)")
     parser.add_argument("--signing-key", default=DEFAULT_SIGNING_KEY, help="Ed25519 private key (PEM) for attestations")
     parser.add_argument("--key-id", default=DEFAULT_KEY_ID, help="key id in the attestation header (the policy's kid)")
@@ -160,6 +167,7 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     from .agent import Agent, AgentSettings
     from .checkpoint import CheckpointError, CheckpointStore
+    from .device_access import DeviceAccessError
     from .gpu import open_backend
     from .kube import ClusterError, KubernetesClusterClient
     from .metrics import AgentMetrics, serve
@@ -180,7 +188,15 @@ def _run_agent(args: argparse.Namespace) -> int:
         _fail(str(exc))
         return 2
     try:
-        options = {"root": args.simulated_root} if args.gpu_backend == "simulated" else {}
+        options: dict[str, object] = (
+            {"root": args.simulated_root}
+            if args.gpu_backend == "simulated"
+            else {
+                "max_unreachable_fraction": args.max_unreachable,
+                # Beside the checkpoint: the ECC baselines of allocations made before a restart.
+                "ecc_history_path": Path(args.checkpoint).with_name("ecc-history.json"),
+            }
+        )
         backend = open_backend(args.gpu_backend, **options)
         # Each lane, the loop and the pod watch may call the API at once.
         cluster = KubernetesClusterClient.from_config(args.kubeconfig, args.max_concurrent_teardowns + 2)
@@ -226,6 +242,9 @@ def _run_agent(args: argparse.Namespace) -> int:
         return 1
     except ClusterError as exc:
         log.critical("cannot reach the API server at start-up on node %s: %s", args.node, exc)
+        return 1
+    except DeviceAccessError as exc:
+        log.critical("%s", exc)
         return 1
     finally:
         backend.close()

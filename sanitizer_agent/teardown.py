@@ -51,6 +51,7 @@ from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend, GpuError, HealthSnapshot
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
 from .metrics import AgentMetrics
+from .partitions import device_health, device_processes, scrub_device
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class TeardownEngine:
                 uuid=uuid,
                 fence_rule=rule_name(names.TAINT_UNSANITIZED, claim.uid, key_str(key)),
                 failed_rule=rule_name(names.TAINT_SCRUB_FAILED, claim.uid, key_str(key)),
+                placement=slices[key].placement if key in slices else None,
             )
             for key, uuid in devices
         ]
@@ -439,10 +441,11 @@ class TeardownEngine:
     def _on_draining(self, td: Teardown) -> Outcome:
         holders = []
         for device in td.devices:
-            if device.uuid is None:
+            if device.uuid is None and device.placement is None:
                 continue  # fails in scrubbing, with the reason
             try:
-                holders += [f"pid {p.pid} ({p.kind}) on {device.uuid}" for p in self.backend.processes(device.uuid)]
+                where = device.uuid or device.key
+                holders += [f"pid {p.pid} ({p.kind}) on {where}" for p in device_processes(self.backend, device)]
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot list processes on {device.key} ({device.uuid}): {exc}")
         if not holders:
@@ -458,11 +461,13 @@ class TeardownEngine:
         return None  # poll again
 
     @contextlib.contextmanager
-    def _scrub_of(self, uuid: str) -> Iterator[None]:
+    def _scrub_of(self, device: DeviceRecord) -> Iterator[None]:
         """One scrub at a time per device (two teardowns of one device: a shared claim). Devices with UUIDs of
-        their own, MIG slices of one GPU among them, are scrubbed side by side, as MIG isolates them."""
+        their own, MIG slices of one GPU among them, are scrubbed side by side, as MIG isolates them; dynamic
+        MIG placements one at a time per GPU, since scrubbing one creates a GPU instance on it."""
+        key = device.placement.parent_uuid if device.placement is not None else device.uuid or device.key
         with self._scrubbing_lock:
-            lock = self._scrubbing.setdefault(uuid, threading.Lock())
+            lock = self._scrubbing.setdefault(key, threading.Lock())
         with lock:
             yield
 
@@ -471,15 +476,15 @@ class TeardownEngine:
         started = self.clock()
         scrubbed = []
         for device in td.devices:
-            if device.uuid is None:
+            if device.uuid is None and device.placement is None:
                 return self._fail(
                     td,
                     "no-uuid",
                     f"{device.key} has no uuid attribute in this node's ResourceSlices; cannot tell which GPU to scrub",
                 )
             try:
-                with self._scrub_of(device.uuid):
-                    result = self.backend.scrub(device.uuid)
+                with self._scrub_of(device):
+                    result = scrub_device(self.backend, device)
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot reach {device.key} ({device.uuid}) to scrub it: {exc}")
             self.metrics.scrub_duration.observe(result.duration_s)
@@ -494,7 +499,7 @@ class TeardownEngine:
         snapshots = []
         for device in td.devices:
             try:
-                snapshots.append(self.backend.health(device.uuid or "", since=td.allocated_at))
+                snapshots.append(device_health(self.backend, device, td.allocated_at))
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot read the health of {device.key} ({device.uuid}): {exc}")
         problems = [f"{d.uuid}: {p}" for d, s in zip(td.devices, snapshots, strict=True) for p in s.problems()]
@@ -521,6 +526,9 @@ class TeardownEngine:
                     "uuid": d.uuid,
                     "bytesScrubbed": d.scrub.bytes_scrubbed if d.scrub else 0,
                     "bytesTotal": d.scrub.bytes_total if d.scrub else 0,
+                    # Coverage, stated: what the driver reserves, and what the scrub could not reach.
+                    "bytesReserved": d.scrub.bytes_reserved if d.scrub else 0,
+                    "bytesUnreachable": d.scrub.bytes_unreachable if d.scrub else 0,
                     "method": d.scrub.method if d.scrub else "",
                     "verified": bool(d.scrub and d.scrub.verified),
                 }

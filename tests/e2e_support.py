@@ -1,5 +1,5 @@
-"""Fixtures and helpers for the end-to-end tests: a whole installation (API stand-in, webhook, agent as
-separate processes; devcluster.harness) and what tenants do on it.
+"""Fixtures and helpers for the end-to-end tests: a whole installation (the real control plane, webhook,
+agent as separate processes; devcluster.harness) and what tenants do on it.
 
 In a test module (pytest finds fixtures among the module's attributes; the fixtures are named
 ``cluster_factory`` and ``cluster``, so test parameters of those names shadow no import)::

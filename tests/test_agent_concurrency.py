@@ -262,11 +262,12 @@ def test_saves_asked_for_at_once_share_writes_and_each_finds_its_change_on_disk(
 
     def dump(**kwargs: Any) -> str:
         writes.append(1)
-        time.sleep(0.005)  # a write takes a while: saves asked for meanwhile wait for the next
+        time.sleep(0.05)  # a write takes a while: saves asked for meanwhile wait for the next
         return real(**kwargs)
 
     object.__setattr__(store.data, "model_dump_json", dump)
     missing: list[str] = []
+    together = threading.Barrier(16, timeout=WAIT_S)
 
     def one(i: int) -> None:
         ref = ClaimRef(namespace="team-a", name=f"c{i}", uid=f"uid-{i}")
@@ -274,6 +275,7 @@ def test_saves_asked_for_at_once_share_writes_and_each_finds_its_change_on_disk(
             store.teardowns[ref.uid] = Teardown(
                 claim=ref, devices=[], state=State.ALLOCATED, fence="rule", allocated_at=0.0
             )
+        together.wait()
         store.save()
         if f"uid-{i}" not in json.loads((tmp_path / "checkpoint.json").read_text())["teardowns"]:
             missing.append(ref.uid)
@@ -306,7 +308,9 @@ def test_closing_waits_for_the_task_under_way_and_starts_no_other():
     lanes.submit("b", lambda: ran.append("b1"))
     closing = threading.Thread(target=lanes.close)
     closing.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + WAIT_S
+    while not lanes._closing and time.monotonic() < deadline:  # close() has begun
+        time.sleep(0.01)
     gate.set()
     closing.join(WAIT_S)
     assert not closing.is_alive() and ran == ["a1"]

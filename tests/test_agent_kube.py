@@ -14,7 +14,7 @@ from k8s_support import api_server
 from kubernetes import client
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation
-from scrubgate.sanitizer_agent import claims, nvidia
+from scrubgate.sanitizer_agent import claims
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
 from scrubgate.sanitizer_agent.gpu import simulated
@@ -114,39 +114,6 @@ def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
         "theirs": "x",
         names.ANNOTATION_SCRUB_STATUS: "verified",
     }
-
-
-def test_nvidia_checkpoint_is_read_defensively(tmp_path):
-    data = {
-        "checksum": 1,
-        "v2": {"preparedClaims": {
-            "uid-1": {
-                "checkpointState": "PrepareCompleted", "name": "train", "namespace": "team-a",
-                "status": {"allocation": {"devices": {"results": [
-                    {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n1", "device": "gpu-0"}]}}},
-                "preparedDevices": [{"devices": [
-                    {"gpu": {"info": {"uuid": "GPU-0"}, "device": {"poolName": "n1", "deviceName": "gpu-0"}}},
-                    {"mig": {"concrete": {"migUUID": "MIG-3", "parentUUID": "GPU-1"},
-                             "device": {"poolName": "n1", "deviceName": "gpu-1-mig-9-0-1"}}},
-                    {"vfio": {"info": {"uuid": "GPU-7"}}},
-                ]}],
-            },
-            "uid-2": "not an object",
-        }},
-    }  # fmt: skip
-    path = tmp_path / "checkpoint.json"
-    path.write_text(json.dumps(data))
-    found = {c.uid: c for c in nvidia.read_prepared_claims(path)}
-    assert found["uid-1"].devices == {
-        ("gpu.nvidia.com", "n1", "gpu-0"): "GPU-0",
-        ("gpu.nvidia.com", "n1", "gpu-1-mig-9-0-1"): "MIG-3",
-    }
-    assert found["uid-1"].loose_uuids == {"GPU-7"}
-    assert (found["uid-1"].namespace, found["uid-1"].name) == ("team-a", "train")
-    assert found["uid-2"].devices == {}
-    path.write_text("{torn")
-    assert nvidia.read_prepared_claims(path) == []
-    assert nvidia.read_prepared_claims(tmp_path / "absent.json") == []
 
 
 def test_claim_prepared_by_nvidia_but_unknown_to_the_agent_is_fenced_and_scrubbed(tmp_path):

@@ -42,6 +42,9 @@ def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
     assert payload["node"] == NODE
     assert payload["devices"][0]["uuid"] == node.gpus[target].uuid
     assert payload["devices"][0]["bytesScrubbed"] == simulated.memory_size(node.root, node.gpus[target].uuid)
+    # Coverage stated: the driver's reserve, and nothing out of the scrub's reach.
+    assert payload["devices"][0]["bytesReserved"] == node.gpus[target].memory_reserved
+    assert payload["devices"][0]["bytesUnreachable"] == 0
     assert payload["health"] == {"eccUncorrectable": 0, "remapPending": False, "xids": []}
     assert after["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_VERIFIED
     assert agent.store.teardowns == {}

@@ -1,4 +1,4 @@
-"""Attacks end to end on one installation (API stand-in, real webhook, real agent; devcluster.harness):
+"""Attacks end to end on one installation (real control plane, real webhook, real agent; devcluster.harness):
 what a tenant, or someone holding the agent's token, must not do to a claim that holds a GPU (or was just
 released) is denied by the API server through the webhook, with its rule in the message, and leaves exactly
 one audit record naming the rule, the user and the object. Break-glass is the one sanctioned exception: an

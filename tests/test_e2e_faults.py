@@ -474,7 +474,7 @@ def test_a_claim_the_agent_never_saw_is_still_scrubbed(cluster_factory: Any) -> 
     assert_invariant(cluster)
 
 
-# ---------------------------------------------------------------------- the API stand-in goes away mid-teardown
+# ---------------------------------------------------------------------- kube-apiserver goes away mid-teardown
 
 
 @pytest.mark.timeout(120)

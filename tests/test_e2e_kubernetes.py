@@ -2,7 +2,7 @@
 kube-apiserver, kube-controller-manager and kube-scheduler): a tenant's eviction (what `kubectl drain` sends),
 the pod garbage collector after a node is deleted, a claim deleted while its pod still runs, a pod asking for
 `nvidia.com/gpu` as an extended resource (the scheduler creates its claim), and kube-scheduler's PostFilter
-clearing the allocation of a claim its pod cannot use. After each: no device given to a new claim while dirty,
+facing a claim held for its scrub. After each: no device given to a new claim while dirty,
 no finalizer removed without a valid attestation, the audit chain intact."""
 
 from __future__ import annotations
@@ -180,10 +180,12 @@ def test_a_pod_asking_for_nvidia_com_gpu_is_guarded_like_any_gpu_claim(cluster: 
     assert_invariant(cluster)
 
 
-def test_postfilter_deallocation_of_an_unscrubbed_claim_keeps_the_device_fenced(cluster: Cluster) -> None:
-    """A named claim whose pod ended while the agent was down stays allocated (its deallocation refused). A new
-    pod naming it cannot be scheduled anywhere; kube-scheduler's PostFilter clears the allocation of a claim
-    reserved for nobody so that the pod may try elsewhere. The device is still fenced: nobody gets it dirty."""
+def test_postfilter_does_not_clear_a_claim_held_for_its_scrub(cluster: Cluster) -> None:
+    """A named claim whose pod ended while the agent was down: the resourceclaim controller clears the pod's
+    reservation and the allocation in one status write, which SG007 refuses, so the claim stays allocated and
+    reserved for the gone pod. A new pod naming it, schedulable nowhere, does not make kube-scheduler's
+    PostFilter clear it (PostFilter clears only claims reserved for nobody or the pending pod): the device
+    stays allocated and fenced until the agent is back, scrubs and attests."""
     ns, next_ns = tenant_namespace(cluster, "postfilter", trusted=True), tenant_namespace(cluster, "pf-next")
     cluster.request(
         "POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("named"), user="alice"
@@ -198,30 +200,31 @@ def test_postfilter_deallocation_of_an_unscrubbed_claim_keeps_the_device_fenced(
     cluster.core("alice").delete_namespaced_pod("first", ns)
     wait_for(lambda: cluster.pod(ns, "first") is None, WAIT_S, "the first pod gone")
     wait_for(
-        lambda: not ((cluster.claim(ns, "named") or {}).get("status") or {}).get("reservedFor"),
+        lambda: cluster.audit_denials("SG007", namespace=ns, name="named", subResource="status"),
         WAIT_S,
-        "the claim reserved for nobody",
+        "the controller's deallocation refused",
     )
     second = workloads.pod("second", claim="named")
     second["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "no-such-node"}
     cluster.core("alice").create_namespaced_pod(ns, second)
-    wait_for(
-        lambda: not ((cluster.claim(ns, "named") or {}).get("status") or {}).get("allocation"),
-        WAIT_S * 2,
-        "kube-scheduler's PostFilter clearing the allocation",
-    )
-    # Deallocated, unscrubbed: the fence is what keeps the next tenant off the device.
+    wait_for(lambda: unschedulable(cluster, ns, "second"), WAIT_S, "the second pod unschedulable")
     create_template(cluster, "bob", next_ns, "same-gpu", selectors=[workloads.uuid_selector(uuid)])
     tenant_pod(cluster, "bob", next_ns, "next", template="same-gpu", look_for=CANARY)
-    wait_for(lambda: unschedulable(cluster, next_ns, "next"), WAIT_S, "the next tenant turned away by the fence")
+    wait_for(lambda: unschedulable(cluster, next_ns, "next"), WAIT_S, "the next tenant turned away")
+    held = cluster.claim(ns, "named") or {}
+    assert allocated_device(held) == device, "the claim's dirty device was deallocated"
+    assert [r["name"] for r in held["status"]["reservedFor"]] == ["first"]
     assert CANARY.encode() in cluster.gpu_memory(uuid)
     cluster.core("alice").delete_namespaced_pod("second", ns)
-    cluster.agent.start()  # finds the fenced, unattested device on its record and scrubs it
+    cluster.agent.start()  # scrubs, attests; the controller then deallocates
     pod = wait_phase(cluster, next_ns, "next", "Running", timeout=WAIT_S * 2)
     assert canary_found(pod) is False and CANARY.encode() not in cluster.gpu_memory(uuid)
     next_claim = running_claim(cluster, next_ns, "next")
+    assert allocated_device(next_claim) == device
     cluster.core("bob").delete_namespaced_pod("next", next_ns)
     wait_gone(cluster, next_ns, next_claim["metadata"]["name"])
+    cluster.request("DELETE", cluster.resource_path("resourceclaims", ns, "named"), user="alice")
+    wait_gone(cluster, ns, "named")
     assert_invariant(cluster)
 
 

@@ -1,5 +1,5 @@
 """The whole lifecycle under load: 200 claims (MIG slices and whole GPUs) on 8 simulated GPUs x 7 MIG slices,
-through the real webhook and the real agent on the API stand-in (devcluster.load's workload, shared with
+through the real webhook and the real agent on the real control plane (devcluster.load's workload, shared with
 bench/lifecycle.py, which reports the figures). Every claim must end fenced, scrubbed, attested, unfenced
 and released; the observer must see no dirty allocation and no unattested finalizer removal; no tenant may
 find an earlier tenant's canary; and a tenant stripping finalizers meanwhile is denied every time, with
@@ -89,7 +89,10 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     assert attacks["denied"] > 0 and set(attacks) <= {"denied", "gone", "raced"}, attacks
     denials = [r for namespace, _ in run.namespaces for r in cluster.audit_denials("SG007", namespace=namespace)]
     strips = [r for r in denials if r["subResource"] == ""]
-    assert len(strips) == attacks["denied"], (len(strips), attacks)
+    # At least one record per refusal: kube-apiserver retries a patch that met a conflict (the agent wrote the
+    # claim meanwhile) and runs admission, and so the audit, once more for it.
+    assert len(strips) >= attacks["denied"], (len(strips), attacks)
+    assert {r["user"] for r in strips} <= {user for _, user in run.namespaces}
     assert {(r["subResource"], r["user"]) for r in denials if r not in strips} <= {("status", CLAIM_CONTROLLER)}
     assert_invariant(cluster)
 

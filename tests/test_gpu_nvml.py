@@ -3,7 +3,7 @@ stand-ins of pynvml and cuda.bindings.driver (tests/fakes), so misuse of either 
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 from scrubgate.policies.names import ATTESTATION_METHOD
-from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, open_backend
+from scrubgate.sanitizer_agent.gpu import GpuBackend, GpuError, MigPlacement, open_backend
+from scrubgate.sanitizer_agent.gpu.cuda_scrub import NO_KERNELS
 from scrubgate.sanitizer_agent.gpu.nvml import NvmlBackend
 
 FAKES = Path(__file__).parent / "fakes"
 CANARY = b"TENANT-A-SECRET!"
 MiB = 1 << 20
+MARGIN = 4 * MiB
 
 
 @pytest.fixture
@@ -42,9 +44,13 @@ def open_nvml(node: Any) -> Any:
 
     def make(**options: Any) -> NvmlBackend:
         # Without the XID watch unless a test needs it: closing it waits out a poll of the event set.
+        # The fake's CUDA context (1 MiB) and kernels are a larger share of its small devices than a real
+        # context is of a GPU's memory: the coverage bound here is 10%, the default (2%) has its own test.
         options = {
             "chunk_bytes": 8 * MiB,
             "min_chunk_bytes": 64 << 10,
+            "margin_bytes": MARGIN,
+            "max_unreachable_fraction": 0.1,
             "child_env": node.env,
             "watch_xids": False,
             **options,
@@ -169,6 +175,80 @@ def test_health_without_ecc_row_remapping_or_recovery_field(node, open_nvml):
     assert health.healthy
 
 
+def test_xids_are_classified_as_nvidias_driver_does(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    for xid in (13, 31, 43, 45, 68, 109, 62, 154):  # application faults, then two that are not
+        fake_nvml().fake_emit_xid(gpu["uuid"], xid)
+    assert wait_for(lambda: len(backend.health(gpu["uuid"], 0).xids) == 2)
+    assert backend.health(gpu["uuid"], 0).xids == (62, 154)
+
+
+def test_mig_xids_belong_to_their_gpu_instance(node, open_nvml):
+    gpu = node.add_gpu(mig=[8 * MiB, 8 * MiB])
+    first, second = gpu["migs"]
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=first["gi"])
+    assert wait_for(lambda: backend.health(first["uuid"], 0).xids) == (94,)
+    assert backend.health(second["uuid"], 0).xids == (), "a sibling's contained ECC error is not ours"
+    assert backend.health(gpu["uuid"], 0).xids == (94,), "the whole GPU's memory includes it"
+    fake_nvml().fake_emit_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
+    assert wait_for(lambda: backend.health(second["uuid"], 0).xids) == (79,)
+
+
+def test_xids_of_a_deleted_dynamic_mig_device_stay_with_its_placement(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)
+    node.create_mig(gpu, "19", start=5)
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=tenant["gi"])
+    assert wait_for(lambda: backend.health(tenant["uuid"], 0).xids) == (94,)
+    node.delete_mig(tenant["uuid"])  # unprepared: the GPU instance is gone, the event stays with its slices
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 15, 2, 2), 0).xids == (94,)
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 3, 1), 0).xids == (94,), "slice 3 was its"
+    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids == (), "a neighbour's is not"
+    fake_nvml().fake_emit_xid(gpu["uuid"], 79)
+    assert wait_for(lambda: backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids) == (79,)
+
+
+def test_the_xid_watch_survives_nvml_errors_and_stops_only_when_the_gpu_is_lost(node, open_nvml):
+    gpu = node.add_gpu()
+    backend = open_nvml(watch_xids=True)
+    fake_nvml().fake_break_event_sets(fake_nvml().NVML_ERROR_UNKNOWN)
+    fake_nvml().fake_emit_xid(gpu["uuid"], 48)
+    assert wait_for(lambda: backend.health(gpu["uuid"], 0).xids) == (48,), "retried, and still watching"
+    assert backend._xids is not None and backend._xids.wait_errors == 1
+
+
+def test_ecc_errors_count_from_the_allocation_not_from_driver_load(node, open_nvml):
+    gpu = node.add_gpu(ecc=2)  # two old errors, from before any tenant of ours
+    backend = open_nvml()
+    allocated = time.time()
+    assert backend.health(gpu["uuid"], allocated).healthy, "old errors do not fence the GPU forever"
+    assert backend.health(gpu["uuid"], 0).ecc_uncorrectable_volatile == 2, "no baseline before the agent looked"
+    node.data["gpus"][0]["ecc"] = 3
+    node.save()
+    health = backend.health(gpu["uuid"], allocated)
+    assert health.ecc_uncorrectable_volatile == 1 and not health.healthy
+    assert "1 uncorrectable ECC errors since the allocation" in health.problems()
+
+
+def test_the_ecc_baseline_outlives_an_agent_restart(node, open_nvml, tmp_path):
+    history = tmp_path / "ecc-history.json"
+    gpu = node.add_gpu(ecc=2)
+    open_nvml(ecc_history_path=history).close()  # the agent saw 2 old errors, then restarted
+    allocated = time.time()
+    node.data["gpus"][0]["ecc"] = 3  # one more while it was down
+    node.save()
+    health = open_nvml(ecc_history_path=history).health(gpu["uuid"], allocated)
+    assert health.ecc_uncorrectable_volatile == 1, "the old two are not counted, the new one is"
+    node.data["gpus"][0]["ecc"] = 0  # the driver was reloaded: volatile counters start again
+    node.save()
+    later = open_nvml(ecc_history_path=history)
+    assert later.health(gpu["uuid"], allocated).ecc_uncorrectable_volatile == 0
+    assert [c for _, c in json.loads(history.read_text())[gpu["uuid"]]] == [0], "a new history after the reload"
+
+
 def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
     gpu = node.add_gpu(mig=[8 * MiB])
     other = node.add_gpu()
@@ -278,6 +358,81 @@ def test_a_cuda_error_fails_closed_with_its_name(node, open_nvml):
     assert "cuMemsetD8" in result.reason and "CUDA_ERROR_ECC_UNCORRECTABLE" in result.reason
 
 
+def test_kernels_and_memset_are_warmed_up_before_the_fill(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.data["cuda"] = {"lazyBytes": MiB}  # the first launch takes device memory (lazy loading)
+    node.save()
+    result = open_nvml(margin_bytes=0).scrub(gpu["uuid"])
+    assert result.verified, result.reason
+
+
+def test_the_margin_left_free_is_scrubbed_in_a_second_pass(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml(margin_bytes=8 * MiB).scrub(gpu["uuid"])
+    assert result.verified, result.reason
+    left = canary_bytes(node, gpu["uuid"])
+    assert left <= result.bytes_unreachable < 8 * MiB, "the margin did not stay dirty"
+    overhead = gpu["contextBytes"] + (256 << 10) + 512  # context, kernels, the counter
+    assert result.bytes_unreachable - overhead < 64 << 10, "reached all but the allocator's granularity"
+
+
+def test_the_default_coverage_bound_is_two_percent(node, open_nvml):
+    gpu = node.add_gpu(memory=128 * MiB, contextBytes=256 << 10)
+    # Unreached: what another party holds, plus the scrub's own context (256 KiB) and kernels (256 KiB).
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB // 2}}  # 2 MiB of 128: 1.6%, within
+    node.save()
+    backend = open_nvml(max_unreachable_fraction=NvmlBackend.__init__.__kwdefaults__["max_unreachable_fraction"])
+    assert backend.max_unreachable_fraction == 0.02
+    assert backend.scrub(gpu["uuid"]).verified
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB}}  # 3.5 MiB: 2.7%, beyond
+    node.save()
+    result = backend.scrub(gpu["uuid"])
+    assert not result.verified and "more than the 2.0% allowed" in result.reason
+
+
+def test_unreached_memory_with_scrub_on_free_off_fails_closed(node, open_nvml, tmp_path):
+    gpu = node.add_gpu(memory=32 * MiB)
+    params = tmp_path / "params"
+    params.write_text('RegistryDwords: "RMDisableScrubOnFree=1"\n')
+    result = open_nvml(params_path=params).scrub(gpu["uuid"])
+    assert not result.verified and "RMDisableScrubOnFree" in result.reason
+    assert result.bytes_unreachable > 0 and result.bytes_scrubbed > 0
+    params.write_text('RegistryDwords: "RMDisableScrubOnFree=0"\n')
+    assert open_nvml(params_path=params).scrub(gpu["uuid"]).verified
+
+
+# ---------------------------------------------------------------- kernels: cubin, else PTX, else none
+
+
+@pytest.mark.parametrize(
+    ("cuda", "kernels"),
+    [
+        ({"noJit": True}, "cubin sm_90"),  # an H200 without the JIT: the cubin needs none
+        ({"computeCapability": [6, 1]}, "ptx"),
+        ({"computeCapability": [6, 1], "noJit": True}, NO_KERNELS),
+    ],
+)
+def test_the_scrub_verifies_with_whatever_kernels_load(node, open_nvml, cuda, kernels):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    node.data["cuda"] = cuda
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert result.verified, result.reason
+    assert result.kernels == kernels
+    assert canary_bytes(node, gpu["uuid"]) <= result.bytes_unreachable
+
+
+def test_the_kernel_free_path_still_catches_memory_that_does_not_take_zeros(node, open_nvml):
+    gpu = node.add_gpu(memory=32 * MiB)
+    node.fill(gpu["uuid"], CANARY)
+    node.data["cuda"] = {"computeCapability": [6, 1], "noJit": True, "memsetNoop": ["cuMemsetD8"]}
+    node.save()
+    result = open_nvml().scrub(gpu["uuid"])
+    assert not result.verified and "non-zero" in result.reason
+
+
 def test_memory_another_party_holds_leaves_the_scrub_unverified(node, open_nvml):
     gpu = node.add_gpu(memory=32 * MiB)
     node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 8 * MiB}}
@@ -295,13 +450,16 @@ def test_a_hung_scrub_is_killed(node, open_nvml):
     assert not result.verified and "did not finish within 2s" in result.reason
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cuda") is not None, reason="real CUDA bindings installed")
 def test_a_node_without_cuda_bindings_fails_closed(node, open_nvml, tmp_path):
     gpu = node.add_gpu()
     empty = tmp_path / "empty"
     empty.mkdir()
-    # fakegpu stays importable for the fake pynvml in this process, but the child finds no cuda.
-    result = open_nvml(child_env={**node.env, "PYTHONPATH": str(empty)}).scrub(gpu["uuid"])
+    # The child's Python without site-packages (the real bindings of the test extra live there) and
+    # without the fakes: it finds no cuda at all. fakegpu stays importable for the fake pynvml here.
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    result = open_nvml(python=str(bare), child_env={**node.env, "PYTHONPATH": str(empty)}).scrub(gpu["uuid"])
     assert not result.verified and "scrubgate[gpu]" in result.reason
 
 
@@ -328,3 +486,73 @@ def test_a_node_without_nvml_events_says_how_to_run_without_them(node, open_nvml
     with pytest.raises(GpuError, match="watch_xids=False"):
         open_nvml(watch_xids=True)
     assert open_nvml().list_devices()
+
+
+# ---------------------------------------------------------------- dynamic MIG: scrub through a placement
+
+
+def gpu_record(uuid: str) -> dict[str, Any]:
+    return next(g for g in sys.modules["fakegpu"].load()["gpus"] if g["uuid"] == uuid)
+
+
+def test_a_deleted_dynamic_mig_device_is_scrubbed_through_a_gpu_instance_at_its_placement(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)  # a 2-slice instance on memory slices 2 and 3
+    neighbour = node.create_mig(gpu, "19", start=4)
+    node.fill(tenant["uuid"], CANARY)
+    node.fill(neighbour["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])  # NVIDIA's driver unprepares the claim
+    leftover = node.root / "mem" / tenant["memoryFile"]
+    assert CANARY in leftover.read_bytes(), "the placement's memory still holds the tenant's bytes"
+
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 15, 2, 2))
+    assert result.verified, result.reason
+    assert result.bytes_scrubbed > 0 and result.bytes_unreachable == result.bytes_total - result.bytes_scrubbed
+    assert leftover.read_bytes().count(CANARY) * len(CANARY) <= result.bytes_unreachable
+    after = gpu_record(gpu["uuid"])
+    assert [(g["start"], g["size"]) for g in after["gis"]] == [(4, 1)], "the scrub's GPU instance is destroyed"
+    assert [m["uuid"] for m in after["migs"]] == [neighbour["uuid"]]
+    assert canary_bytes(node, neighbour["uuid"]) == neighbour["memory"], "the neighbour is untouched"
+
+
+def test_a_mig_device_not_yet_unprepared_is_scrubbed_through_itself(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "19", start=1)
+    node.fill(tenant["uuid"], CANARY)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert result.verified and result.uuid == tenant["uuid"]
+    assert len(gpu_record(gpu["uuid"])["gis"]) == 1, "nothing created, nothing destroyed"
+
+
+def test_memory_slices_another_instance_holds_fail_closed(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    other = node.create_mig(gpu, "15", start=0)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert not result.verified and other["uuid"] in result.reason and "held by" in result.reason
+
+
+def test_no_permission_to_create_gpu_instances_fails_closed_and_says_so(node, open_nvml):
+    gpu = node.add_gpu(mig=[], noMigPermission=True)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 3, 1))
+    assert not result.verified and "Insufficient Permissions" in result.reason
+    assert "cannot create a GPU instance" in result.reason
+
+
+def test_a_gpu_the_driver_took_out_of_mig_mode_is_scrubbed_whole(node, open_nvml):
+    gpu = node.add_gpu(memory=16 * MiB)  # MIG off again after the last dynamic MIG device went
+    node.fill(gpu["uuid"], CANARY)
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 0, 1))
+    assert result.verified and result.uuid == gpu["uuid"]
+    assert canary_bytes(node, gpu["uuid"]) <= result.bytes_unreachable
+
+
+def test_processes_on_a_placement_are_those_of_overlapping_mig_devices(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    wide = node.create_mig(gpu, "15", start=0)
+    node.create_mig(gpu, "19", start=4)
+    for m in gpu["migs"]:
+        m["processes"] = {"compute": [[7000 + m["slot"], MiB]], "graphics": [], "mps": []}
+    node.save()
+    backend = open_nvml()
+    assert [p.pid for p in backend.placement_processes(MigPlacement(gpu["uuid"], 19, 1, 1))] == [7000 + wide["slot"]]
+    assert backend.placement_processes(MigPlacement(gpu["uuid"], 19, 6, 1)) == []

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from .base import (
-    CRITICAL_XIDS,
+    APPLICATION_XIDS,
     GpuBackend,
     GpuDevice,
     GpuError,
     GpuProcess,
     HealthSnapshot,
+    MigPlacement,
     ScrubResult,
+    critical_xid,
 )
 
 BackendKind = Literal["nvml", "simulated"]
@@ -31,13 +33,15 @@ def open_backend(kind: BackendKind, **options: Any) -> GpuBackend:
 
 
 __all__ = [
-    "CRITICAL_XIDS",
+    "APPLICATION_XIDS",
     "BackendKind",
     "GpuBackend",
     "GpuDevice",
     "GpuError",
     "GpuProcess",
     "HealthSnapshot",
+    "MigPlacement",
     "ScrubResult",
+    "critical_xid",
     "open_backend",
 ]

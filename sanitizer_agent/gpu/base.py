@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-# XIDs after which the GPU's memory or its isolation cannot be trusted until an operator looks:
-# 48 double-bit ECC, 63/64 row-remapping (pending/failed), 74 NVLink, 79 fallen off the bus,
-# 92 high single-bit ECC rate, 94 contained / 95 uncontained ECC, 119/120 GSP errors,
-# 140 unrecovered ECC. Others (13, 31, 43, 45...) are application faults the tenant caused.
-CRITICAL_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+# Application XIDs: faults a tenant's own program causes (13 graphics engine exception, 31 memory page
+# fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109 context
+# switch timeout). NVIDIA's DRA driver ignores exactly these; every other XID makes the GPU suspect.
+APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+
+
+def critical_xid(xid: int) -> bool:
+    return xid not in APPLICATION_XIDS
+
 
 # nvmlGpuRecoveryAction_t, for the operator reading a failure reason.
 RECOVERY_ACTIONS: dict[int, str] = {
@@ -53,6 +57,22 @@ class GpuDevice:
 
 
 @dataclass(frozen=True)
+class MigPlacement:
+    """Where a dynamic MIG device lives on its GPU: NVIDIA's driver creates it on prepare and deletes it on
+    unprepare, so after release only this (GPU, GPU instance profile ID, memory slices) is left to scrub.
+    A GPU instance created with this profile at this placement owns exactly these memory slices."""
+
+    parent_uuid: str
+    profile_id: int  # nvmlGpuInstanceProfileInfo_t.id, as in the device name gpu-<minor>-mig-<profile>-<id>-<start>
+    start: int  # first memory slice
+    size: int  # memory slices
+
+    @property
+    def slices(self) -> frozenset[int]:
+        return frozenset(range(self.start, self.start + self.size))
+
+
+@dataclass(frozen=True)
 class GpuProcess:
     pid: int
     kind: ProcessKind
@@ -61,6 +81,7 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class HealthSnapshot:
+    # Uncorrectable ECC errors since the device's allocation (the baseline), not since driver load.
     ecc_uncorrectable_volatile: int
     remapped_rows_pending: bool
     remapped_rows_failed: bool
@@ -76,7 +97,7 @@ class HealthSnapshot:
     def problems(self) -> list[str]:
         found = []
         if self.ecc_uncorrectable_volatile:
-            found.append(f"{self.ecc_uncorrectable_volatile} uncorrectable ECC errors since driver load")
+            found.append(f"{self.ecc_uncorrectable_volatile} uncorrectable ECC errors since the allocation")
         if self.remapped_rows_pending:
             found.append("row remapping pending (GPU reset needed)")
         if self.remapped_rows_failed:
@@ -112,6 +133,8 @@ class ScrubResult:
     # Seconds the device spent zeroing and verifying, without process start, CUDA init or allocation:
     # the figure to compare with the card's copy bandwidth. None where the backend does not measure it.
     kernel_s: float | None = None
+    # What verified: "cubin sm_90", "ptx" (the driver's JIT), or memset and read back without kernels.
+    kernels: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -137,6 +160,21 @@ class GpuBackend(Protocol):
         A scrub that fails returns ``verified=False`` with a reason; GpuError only when the device
         cannot be reached at all.
         """
+        ...
+
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        """As ``health`` of the placement's GPU, with only the XIDs of GPU instances on its memory slices
+        (and of the whole GPU); raises GpuError."""
+        ...
+
+    def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
+        """Processes on any MIG device whose memory overlaps ``placement`` (none once the driver deleted
+        the device); raises GpuError."""
+        ...
+
+    def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        """Zero and verify the memory slices of ``placement`` through a GPU instance the backend creates
+        there (and destroys afterwards); as ``scrub`` for failures."""
         ...
 
     def scrub_on_free_disabled(self) -> bool | None:

@@ -7,33 +7,41 @@ and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds
 
 from __future__ import annotations
 
-import collections
 import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from scrubgate.policies.names import ATTESTATION_METHOD
 
-from . import cuda_scrub
-from .base import CRITICAL_XIDS, GpuDevice, GpuError, GpuProcess, HealthSnapshot, ProcessKind, ScrubResult
+from . import cuda_scrub, mig
+from .base import (
+    GpuDevice,
+    GpuError,
+    GpuProcess,
+    HealthSnapshot,
+    MigPlacement,
+    ProcessKind,
+    ScrubResult,
+)
 from .driver_params import PARAMS_PATH, scrub_on_free_disabled
+from .xid import EccBaseline, XidWatcher
 
 log = logging.getLogger(__name__)
 
 SCRUB_SCRIPT = Path(cuda_scrub.__file__)
-# XID events kept for health(); a node sees a handful a day, this is weeks of them.
-XID_HISTORY = 4096
 # What scrub() reads from cuda_scrub.py's report.
 _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
+# The scrub's own CUDA context and the allocator's granularity stay out of reach: about 0.3-0.5 GiB of a
+# 141 GB GPU; more than this share of the usable memory unreached fails the scrub.
+DEFAULT_MAX_UNREACHABLE = 0.02
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
@@ -59,11 +67,14 @@ class NvmlBackend:
         scrub_timeout_s: float = 600.0,
         chunk_bytes: int = cuda_scrub.DEFAULT_CHUNK_BYTES,
         min_chunk_bytes: int = cuda_scrub.DEFAULT_MIN_CHUNK_BYTES,
-        max_unreachable_fraction: float = 0.1,
+        margin_bytes: int = cuda_scrub.DEFAULT_MARGIN_BYTES,
+        max_unreachable_fraction: float = DEFAULT_MAX_UNREACHABLE,
         watch_xids: bool = True,
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
         params_path: Path = PARAMS_PATH,
+        mig_config_path: Path = mig.MIG_CONFIG_CAPABILITY,
+        ecc_history_path: Path | None = None,
     ) -> None:
         try:
             self._nvml = importlib.import_module("pynvml")
@@ -72,21 +83,26 @@ class NvmlBackend:
         self.scrub_timeout_s = scrub_timeout_s
         self.chunk_bytes = chunk_bytes
         self.min_chunk_bytes = min_chunk_bytes
-        # Memory the scrub could not allocate (its own CUDA context, fragmentation, the driver's own)
-        # beyond this share of the usable memory means the scrub cannot vouch for the device.
+        self.margin_bytes = margin_bytes
+        # Memory the scrub could not allocate (its own CUDA context, allocator granularity, the driver's
+        # own) beyond this share of the usable memory means the scrub cannot vouch for the device.
         self.max_unreachable_fraction = max_unreachable_fraction
         self.python = python
         self.child_env = dict(child_env or {})
         self.params_path = params_path
+        self.mig_config_path = mig_config_path
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
             raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
-        self._xids: _XidWatcher | None = None
+        self._xids: XidWatcher | None = None
+        self._ecc = EccBaseline(ecc_history_path)
+        gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
+        self._gpus = gpus
+        self._sample_ecc()
         if watch_xids:
-            gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
             try:
-                self._xids = _XidWatcher(self._nvml, gpus)
+                self._xids = XidWatcher(self._nvml, gpus, on_poll=self._sample_ecc)
             except self._nvml.NVMLError as exc:
                 self._nvml.nvmlShutdown()
                 raise GpuError(
@@ -214,32 +230,67 @@ class NvmlBackend:
                 found.setdefault((info.pid, kind), GpuProcess(int(info.pid), kind, info.usedGpuMemory))
         return list(found.values())
 
+    def _ecc_count(self, gpu: Any) -> int:
+        """Volatile uncorrectable ECC errors of a physical GPU; 0 where it has no ECC (or it is off)."""
+        nvml = self._nvml
+        try:
+            return int(
+                nvml.nvmlDeviceGetTotalEccErrors(gpu, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+            )
+        except nvml.NVMLError as exc:
+            if self._is(exc, "NOT_SUPPORTED"):
+                return 0
+            raise
+
+    def _sample_ecc(self) -> None:
+        """The ECC baseline: each GPU's count every few seconds (from the XID watch's thread, and at open)."""
+        now = time.time()
+        for uuid, gpu in self._gpus.items():
+            if self._ecc.due(uuid, now):
+                try:
+                    self._ecc.record(uuid, now, self._ecc_count(gpu))
+                except self._nvml.NVMLError as exc:
+                    log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
+
     def health(self, uuid: str, since: float) -> HealthSnapshot:
         entry = self._resolve(uuid)
+        gpu_instance = None
+        if entry.parent_uuid is not None:  # a MIG device: its own XIDs and the whole GPU's
+            try:
+                gpu_instance = int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle))
+            except self._nvml.NVMLError as exc:
+                log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
+        return self._health(uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, gpu_instance))
+
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        entry = self._resolve(placement.parent_uuid)
+        return self._health(
+            placement.parent_uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, slices=placement.slices)
+        )
+
+    def _health(
+        self, uuid: str, entry: _Handle, since: float, xids_of: Callable[[XidWatcher, str], tuple[int, ...]]
+    ) -> HealthSnapshot:
         nvml = self._nvml
         gpu = entry.parent
+        gpu_uuid = entry.parent_uuid or entry.uuid
         try:
-            ecc = nvml.nvmlDeviceGetTotalEccErrors(gpu, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+            ecc = self._ecc_count(gpu)
         except nvml.NVMLError as exc:
-            if not self._is(exc, "NOT_SUPPORTED"):  # ECC off, or a GPU without it
-                raise GpuError(f"NVML cannot read ECC errors of {uuid}: {exc}", uuid) from exc
-            ecc = 0
+            raise GpuError(f"NVML cannot read ECC errors of {uuid}: {exc}", uuid) from exc
+        ecc = max(ecc - self._ecc.at(gpu_uuid, since), 0)
         try:
             _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(gpu)
         except nvml.NVMLError as exc:
             if not self._is(exc, "NOT_SUPPORTED"):  # before Ampere there is no row remapping
                 raise GpuError(f"NVML cannot read remapped rows of {uuid}: {exc}", uuid) from exc
             pending = failed = 0
-        xids: tuple[int, ...] = ()
-        if self._xids is not None:
-            parent_uuid = entry.parent_uuid or entry.uuid
-            xids = self._xids.since(parent_uuid, since)
         return HealthSnapshot(
             ecc_uncorrectable_volatile=int(ecc),
             remapped_rows_pending=bool(pending),
             remapped_rows_failed=bool(failed),
             recovery_action=self._recovery_action(gpu),
-            xids=xids,
+            xids=xids_of(self._xids, gpu_uuid) if self._xids is not None else (),
         )
 
     def _recovery_action(self, gpu: Any) -> int | None:
@@ -267,6 +318,7 @@ class NvmlBackend:
             reserved: int = 0,
             scrubbed: int = 0,
             kernel_s: float | None = None,
+            kernels: str | None = None,
         ) -> ScrubResult:
             return ScrubResult(
                 uuid=uuid,
@@ -279,6 +331,7 @@ class NvmlBackend:
                 method=self.method,
                 reason=reason,
                 kernel_s=kernel_s,
+                kernels=kernels,
             )
 
         if entry is None:
@@ -306,6 +359,9 @@ class NvmlBackend:
             return result(False, failure, total, reserved)
         scrubbed = int(report["bytesScrubbed"])
         kernel_s = float(report["scrubS"])
+        kernels = str(report.get("kernels"))
+        if report.get("kernelErrors"):
+            log.warning("scrub of %s verified with %s: %s", uuid, kernels, "; ".join(report["kernelErrors"]))
         nonzero = int(report["nonzeroWords"])
         usable = total - reserved
         if nonzero:
@@ -313,15 +369,57 @@ class NvmlBackend:
                 f"verification found {nonzero} non-zero {report['wordBytes']}-byte words on {uuid} "
                 "after zeroing: memory does not hold writes, or something wrote to it during the scrub"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s)
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         unreachable = max(usable - scrubbed, 0)
         if scrubbed <= 0 or unreachable > self.max_unreachable_fraction * usable:
             reason = (
                 f"scrub of {uuid} reached only {scrubbed} of {usable} usable bytes; {unreachable} could not "
-                "be allocated (held by another process or the driver), so they are unverified"
+                f"be allocated (held by another process or the driver), more than the "
+                f"{self.max_unreachable_fraction:.1%} allowed, so they are unverified"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s)
-        return result(True, None, total, reserved, scrubbed, kernel_s)
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
+        if unreachable and self.scrub_on_free_disabled():
+            reason = (
+                f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the "
+                "driver's), and the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them "
+                "before they are handed out again; remove RMDisableScrubOnFree from NVreg_RegistryDwords"
+            )
+            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
+        return result(True, None, total, reserved, scrubbed, kernel_s, kernels)
+
+    def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
+        gpu = self._resolve(placement.parent_uuid)
+        if not gpu.mig_enabled:
+            return self.processes(placement.parent_uuid)  # MIG off again: the placement is part of the GPU
+        try:
+            overlapping = [live.uuid for live in mig.live_instances(self._nvml, gpu.handle) if live.overlaps(placement)]
+        except self._nvml.NVMLError as exc:
+            raise GpuError(
+                f"NVML cannot list the MIG devices of {placement.parent_uuid}: {exc}", placement.parent_uuid
+            ) from exc
+        return [p for uuid in overlapping for p in self.processes(uuid)]
+
+    def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        parent = placement.parent_uuid
+        gpu = self._resolve(parent)
+        if not gpu.mig_enabled:
+            # NVIDIA's driver turned MIG off after the last MIG device went: the placement's memory is now
+            # part of the whole GPU, which its teardown fences as well (it shares the memory slices).
+            return self.scrub(parent)
+        try:
+            live = [m for m in mig.live_instances(self._nvml, gpu.handle) if m.overlaps(placement)]
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot list the MIG devices of {parent}: {exc}", parent) from exc
+        if len(live) == 1 and live[0].is_at(placement):
+            return self.scrub(live[0].uuid)  # not unprepared yet: the same memory, through the same device
+        if live:
+            held = ", ".join(f"{m.uuid} (slices {m.start}..{m.start + m.size - 1})" for m in live)
+            return _unverified(placement, f"memory slices of {_where(placement)} are held by MIG device {held}")
+        try:
+            with mig.scratch_instance(self._nvml, gpu.handle, placement) as uuid:
+                return self.scrub(uuid)
+        except GpuError as exc:
+            return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
 
     def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
         """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""
@@ -331,6 +429,7 @@ class NvmlBackend:
             str(SCRUB_SCRIPT),
             f"--chunk-bytes={self.chunk_bytes}",
             f"--min-chunk-bytes={self.min_chunk_bytes}",
+            f"--margin-bytes={self.margin_bytes}",
         ]
         try:
             done = subprocess.run(
@@ -355,6 +454,30 @@ class NvmlBackend:
     def scrub_on_free_disabled(self) -> bool | None:
         return scrub_on_free_disabled(self.params_path)
 
+    def mig_management_problem(self) -> str | None:
+        """Why this process cannot create GPU instances, or None: the MIG config capability's device node
+        (named by `DeviceFileMinor` in its /proc file) must open."""
+        return mig.config_capability_problem(self.mig_config_path)
+
+
+def _where(placement: MigPlacement) -> str:
+    end = placement.start + placement.size - 1
+    return f"GPU {placement.parent_uuid} memory slices {placement.start}..{end} (GI profile {placement.profile_id})"
+
+
+def _unverified(placement: MigPlacement, reason: str) -> ScrubResult:
+    return ScrubResult(
+        uuid=placement.parent_uuid,
+        bytes_scrubbed=0,
+        bytes_total=0,
+        bytes_reserved=0,
+        bytes_unreachable=0,
+        duration_s=0.0,
+        verified=False,
+        method=NvmlBackend.method,
+        reason=reason,
+    )
+
 
 def _last_json_line(stdout: str) -> dict[str, Any] | None:
     for line in reversed(stdout.strip().splitlines()):
@@ -364,70 +487,3 @@ def _last_json_line(stdout: str) -> dict[str, Any] | None:
             continue
         return value if isinstance(value, dict) else None
     return None
-
-
-class _XidWatcher:
-    """Collects XID events from NVML in a thread, so health() can answer "which XIDs since t".
-
-    NVML keeps no history: XIDs that happened before the backend opened are not seen (the ECC and
-    row-remapping counters, which do persist, cover the memory faults among them).
-    """
-
-    def __init__(self, nvml: Any, gpus: Mapping[str, Any], poll_ms: int = 500) -> None:
-        self._nvml = nvml
-        self._poll_ms = poll_ms
-        self._events: collections.deque[tuple[float, str, int]] = collections.deque(maxlen=XID_HISTORY)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.error: str | None = None
-        self._set = nvml.nvmlEventSetCreate()
-        for uuid, handle in gpus.items():
-            try:
-                supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if supported & nvml.nvmlEventTypeXidCriticalError:
-                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
-                else:
-                    log.warning("GPU %s does not report XID events; health checks see ECC and rows only", uuid)
-            except nvml.NVMLError as exc:
-                log.warning("cannot watch XID events of GPU %s: %s; health checks see ECC and rows only", uuid, exc)
-        self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        nvml = self._nvml
-        while not self._stop.is_set():
-            try:
-                data = nvml.nvmlEventSetWait_v2(self._set, self._poll_ms)
-            except nvml.NVMLError as exc:
-                if getattr(exc, "value", None) == nvml.NVML_ERROR_TIMEOUT:
-                    continue
-                self.error = str(exc)
-                log.error("XID event watch stopped: %s; health checks now fail until the agent restarts", exc)
-                return
-            if not data.eventType & nvml.nvmlEventTypeXidCriticalError:
-                continue
-            try:
-                uuid = nvml.nvmlDeviceGetUUID(data.device)
-            except nvml.NVMLError as exc:
-                uuid = "?"
-                log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
-            log.warning("XID %d on GPU %s", data.eventData, uuid)
-            with self._lock:
-                self._events.append((time.time(), uuid, int(data.eventData)))
-
-    def since(self, uuid: str, since: float) -> tuple[int, ...]:
-        if self.error is not None:
-            raise GpuError(f"XID events of {uuid} unknown: the NVML event watch stopped ({self.error})", uuid)
-        with self._lock:
-            # An event NVML could not attribute ("?") counts against every GPU: fail closed.
-            return tuple(
-                xid for at, who, xid in self._events if at >= since and who in (uuid, "?") and xid in CRITICAL_XIDS
-            )
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._poll_ms / 1000 * 4)
-        try:
-            self._nvml.nvmlEventSetFree(self._set)
-        except self._nvml.NVMLError as exc:
-            log.warning("freeing the NVML event set failed: %s", exc)

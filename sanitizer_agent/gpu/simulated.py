@@ -25,7 +25,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from .base import CRITICAL_XIDS, GpuDevice, GpuError, GpuProcess, HealthSnapshot, ProcessKind, ScrubResult
+from .base import (
+    GpuDevice,
+    GpuError,
+    GpuProcess,
+    HealthSnapshot,
+    MigPlacement,
+    ProcessKind,
+    ScrubResult,
+    critical_xid,
+)
 
 METHOD = "simulated-memset-verify"
 INVENTORY_VERSION = 1
@@ -33,6 +42,8 @@ ALL_DEVICES = "*"
 # Above the kernel's largest pid_max (2^22), so it never names a real process: the pid reported for a
 # process that never exits when fault "linger" is set on a device nobody attached to.
 LINGERING_PID = 4_194_304
+# Memory slices of a simulated GPU: a dynamic MIG placement's memory is its share of the GPU's file.
+MEMORY_SLICES = 8
 # Bytes a "verify_mismatch" fault leaves non-zero after the memset (cells that do not hold a write).
 STUCK_BYTES = 64
 
@@ -377,7 +388,7 @@ class SimulatedGpu:
         self._known(uuid)
         faults = self._faults(uuid)
         self._check_nvml(uuid, faults)
-        xids = tuple(int(x) for at, x in faults.get("xid", []) if at >= since and int(x) in CRITICAL_XIDS)
+        xids = tuple(int(x) for at, x in faults.get("xid", []) if at >= since and critical_xid(int(x)))
         return HealthSnapshot(
             ecc_uncorrectable_volatile=int(faults.get("ecc_error", 0)),
             remapped_rows_pending=bool(faults.get("remap_pending", False)),
@@ -436,6 +447,50 @@ class SimulatedGpu:
             duration_s=time.perf_counter() - started,
             verified=True,
             method=METHOD,
+        )
+
+    def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
+        return self.health(placement.parent_uuid, since)  # simulated XIDs are per GPU
+
+    def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
+        # A simulated dynamic MIG device is gone once unprepared; what runs on the GPU still counts.
+        return self.processes(placement.parent_uuid)
+
+    def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        """Zeroes and verifies the placement's memory slices: their share of the GPU's memory file."""
+        started = time.perf_counter()
+        parent = placement.parent_uuid
+        self._known(parent)
+        faults = self._faults(parent)
+        self._check_nvml(parent, faults)
+        with _mapped(self.root, parent) as mm:
+            step = len(mm) // MEMORY_SLICES
+            begin, end = placement.start * step, (placement.start + placement.size) * step
+            if faults.get("scrub_error") or end > len(mm) or self._live_processes(parent):
+                reason = (
+                    _message(faults.get("scrub_error"))
+                    if faults.get("scrub_error")
+                    else "placement busy or out of range"
+                )
+                return ScrubResult(
+                    parent, 0, end - begin, 0, end - begin, time.perf_counter() - started, False, METHOD, reason
+                )
+            mm[begin:end] = bytes(end - begin)
+            if faults.get("verify_mismatch"):
+                mm[end - STUCK_BYTES : end] = b"\xa5" * STUCK_BYTES
+            nonzero = (end - begin) - mm[begin:end].count(0)
+        return ScrubResult(
+            uuid=parent,
+            bytes_scrubbed=end - begin,
+            bytes_total=end - begin,
+            bytes_reserved=0,
+            bytes_unreachable=0,
+            duration_s=time.perf_counter() - started,
+            verified=not nonzero,
+            method=METHOD,
+            reason=f"verification found {nonzero} non-zero bytes in {parent} slices {placement.start}+{placement.size}"
+            if nonzero
+            else None,
         )
 
     def scrub_on_free_disabled(self) -> bool | None:

@@ -7,7 +7,8 @@ agree on one node:
 
 - ``node.json``: GPUs, MIG devices, health counters, injected NVML and CUDA faults;
 - ``mem/<uuid>``: each CUDA-visible device's memory, so what one process writes the next one reads,
-  as on a GPU whose driver does not scrub on free;
+  as on a GPU whose driver does not scrub on free; a MIG device's memory is its placement's
+  (``mem/<GPU uuid>@<start>+<size>``), so a GPU instance created again there sees what the last one left;
 - ``contexts/<uuid>/<pid>``: processes holding a CUDA context (NVML lists them while they live).
 """
 
@@ -36,6 +37,15 @@ def load() -> dict[str, Any]:
 
 def memory_path(uuid: str) -> Path:
     return node_dir() / "mem" / uuid
+
+
+def device_memory_path(record: dict[str, Any]) -> Path:
+    """The memory of a device record: its placement's for a MIG device, else its own."""
+    return memory_path(record.get("memoryFile") or record["uuid"])
+
+
+def placement_file(gpu_uuid: str, start: int, size: int) -> str:
+    return f"{gpu_uuid}@{start}+{size}"
 
 
 def contexts_dir(uuid: str) -> Path:
@@ -105,6 +115,16 @@ class FakeNode:
             "migMode": 1 if mig is not None else 0,
             "maxMig": 7,
             "migs": [],
+            # MIG: GPU instances (id, profileId, start, size) and the GI profiles the card offers, by ID:
+            # memory slices, compute slices and memory bytes (an H100-like 8 memory / 7 compute slices).
+            "gis": [],
+            "memorySlices": 8,
+            "giProfiles": {
+                "19": [1, 1, 16 << 20],
+                "15": [2, 2, 32 << 20],
+                "9": [4, 3, 64 << 20],
+                "0": [8, 7, 128 << 20],
+            },
             "ecc": 0,
             "remappedRows": [0, 0, 0, 0],
             "recoveryAction": 0,
@@ -113,16 +133,48 @@ class FakeNode:
             "processes": {"compute": [], "graphics": [], "mps": []},
         }
         gpu.update(fields)
-        for slot, size in enumerate(mig or []):
-            gpu["migs"].append(
-                {"slot": slot, "uuid": f"MIG-{uuidlib.uuid4()}", "memory": size, "reserved": 0, "sms": 1}
-            )
         self.data["gpus"].append(gpu)
-        for device in [gpu, *gpu["migs"]]:
-            with open(self.root / "mem" / device["uuid"], "wb") as f:
-                f.truncate(device["memory"])
+        with open(self.root / "mem" / gpu["uuid"], "wb") as f:
+            f.truncate(gpu["memory"])
+        for slot, size in enumerate(mig or []):
+            self.create_mig(gpu, "19", start=slot, memory=size)
         self.save()
         return gpu
+
+    def create_mig(self, gpu: dict[str, Any], profile_id: str, start: int, memory: int | None = None) -> dict[str, Any]:
+        """A GPU instance with one compute instance at a placement, as nvidia-smi or NVIDIA's DRA driver
+        (dynamic MIG, on prepare) creates it; its memory keeps what the placement held before."""
+        slices, _compute, size_bytes = gpu["giProfiles"][profile_id]
+        gi_id = max([g["id"] for g in gpu["gis"]], default=0) + 1
+        gpu["gis"].append({"id": gi_id, "profileId": int(profile_id), "start": start, "size": slices})
+        slot = min(set(range(gpu["maxMig"])) - {m["slot"] for m in gpu["migs"]})
+        mig = {
+            "slot": slot,
+            "uuid": f"MIG-{uuidlib.uuid4()}",
+            "memory": memory or size_bytes,
+            "reserved": 0,
+            "sms": 1,
+            "gi": gi_id,
+            "ci": 0,
+            "memoryFile": placement_file(gpu["uuid"], start, slices),
+        }
+        gpu["migs"].append(mig)
+        path = self.root / "mem" / mig["memoryFile"]
+        if not path.exists():
+            with open(path, "wb") as f:
+                f.truncate(mig["memory"])
+        self.save()
+        return mig
+
+    def delete_mig(self, uuid: str) -> None:
+        """NVIDIA's DRA driver's unprepare of a dynamic MIG device: compute and GPU instance destroyed,
+        the memory left as it was."""
+        for gpu in self.data["gpus"]:
+            for mig in list(gpu["migs"]):
+                if mig["uuid"] == uuid:
+                    gpu["migs"].remove(mig)
+                    gpu["gis"] = [g for g in gpu["gis"] if g["id"] != mig["gi"]]
+        self.save()
 
     def device(self, uuid: str) -> dict[str, Any]:
         for gpu in self.data["gpus"]:
@@ -132,9 +184,11 @@ class FakeNode:
         raise KeyError(uuid)
 
     def memory(self, uuid: str) -> bytes:
-        return (self.root / "mem" / uuid).read_bytes()
+        return (self.root / "mem" / (self.device(uuid).get("memoryFile") or uuid)).read_bytes()
 
     def fill(self, uuid: str, pattern: bytes) -> None:
         """Leave a previous tenant's bytes in all of the device's memory."""
-        size = self.device(uuid)["memory"]
-        (self.root / "mem" / uuid).write_bytes((pattern * (size // len(pattern) + 1))[:size])
+        device = self.device(uuid)
+        size = device["memory"]
+        path = self.root / "mem" / (device.get("memoryFile") or uuid)
+        path.write_bytes((pattern * (size // len(pattern) + 1))[:size])

@@ -3,7 +3,7 @@
  * this library answers that and implements, on host memory, the few calls scrubgate makes (with the
  * driver API's C signatures). Kernels are recognised by name and run on the host. Each call is
  * logged to $FAKE_CUDA_LOG. STUB_MEMSET_NOOP=1 makes cuMemsetD8 write nothing.
- * Used by tests/test_gpu_real_bindings.py (skipped unless cuda-bindings and a C compiler exist). */
+ * Used by tests/test_gpu_real_bindings.py. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdarg.h>
@@ -34,7 +34,8 @@ CUresult cuInit(unsigned flags) { logcall("cuInit %u", flags); return SUCCESS; }
 CUresult cuDeviceGet(int *dev, int ordinal) { logcall("cuDeviceGet %d", ordinal); *dev = 0; return SUCCESS; }
 CUresult cuDeviceGetAttribute(int *value, int attrib, int dev) {
   logcall("cuDeviceGetAttribute %d %d", attrib, dev);
-  *value = 2;
+  /* 75/76: compute capability major/minor, an H100's 9.0 (the scrub then loads the sm_90 cubin). */
+  *value = attrib == 75 ? 9 : attrib == 76 ? 0 : 2;
   return SUCCESS;
 }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { logcall("cuDevicePrimaryCtxRetain %d", dev); *ctx = (void *)0x1234; return SUCCESS; }

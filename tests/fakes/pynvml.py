@@ -9,9 +9,13 @@ Only ``fake_emit_xid`` is not pynvml's: tests call it to raise an XID event.
 
 from __future__ import annotations
 
+import ctypes
+import json
+import os
 import queue
 import string
 import sys
+import uuid as uuidlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -40,11 +44,16 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_IN_USE = 19
 NVML_ERROR_MEMORY = 20
 NVML_ERROR_NO_DATA = 21
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0x0
 NVML_DEVICE_MIG_ENABLE = 0x1
+NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 0x8
+NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
+# Compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* (1, 2, 3, 4, 7, 8, 6 slices, 1 slice rev1).
+_CI_PROFILE_SLICES = (1, 2, 3, 4, 7, 8, 6, 1)
 NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
@@ -81,6 +90,8 @@ class NVMLError(Exception):
         NVML_ERROR_TIMEOUT: "Timeout",
         NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
         NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+        NVML_ERROR_IN_USE: "In use by another client",
+        NVML_ERROR_INSUFFICIENT_RESOURCES: "Insufficient resources",
         NVML_ERROR_ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
         NVML_ERROR_UNKNOWN: "Unknown Error",
     }
@@ -130,6 +141,23 @@ class c_nvmlDevice_t:
 
     uuid: str
     parent_uuid: str | None
+
+
+@dataclass(frozen=True)
+class c_nvmlGpuInstance_t:
+    gpu_uuid: str
+    gi_id: int
+
+
+@dataclass(frozen=True)
+class c_nvmlComputeInstance_t:
+    gpu_uuid: str
+    gi_id: int
+    ci_id: int
+
+
+class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
 
 
 class _EventSet:
@@ -384,11 +412,152 @@ def nvmlEventSetFree(eventSet: _EventSet) -> None:
     _event_sets.remove(eventSet)
 
 
+# ---------------------------------------------------------------- MIG: GPU and compute instances
+
+
+def _save_gpu(gpu: dict[str, Any]) -> None:
+    node = fakegpu.load()
+    node["gpus"] = [gpu if g["uuid"] == gpu["uuid"] else g for g in node["gpus"]]
+    path = fakegpu.node_dir() / "node.json"
+    tmp = path.with_name("node.json.tmp")
+    tmp.write_text(json.dumps(node, indent=1))
+    os.replace(tmp, path)
+
+
+def _mig_record(handle: Any, function: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    record, parent = _device(handle, function)
+    if parent is None:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # a full GPU has no GPU instance
+    return record, parent
+
+
+def _gi(handle: Any, function: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    if not isinstance(handle, c_nvmlGpuInstance_t):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    _check(function)
+    gpu = next((g for g in _gpus() if g["uuid"] == handle.gpu_uuid), None)
+    gi = next((g for g in (gpu or {}).get("gis", []) if g["id"] == handle.gi_id), None)
+    if gpu is None or gi is None:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return gi, gpu
+
+
+def nvmlDeviceGetGpuInstanceId(device: c_nvmlDevice_t) -> int:
+    return int(_mig_record(device, "nvmlDeviceGetGpuInstanceId")[0]["gi"])
+
+
+def nvmlDeviceGetComputeInstanceId(device: c_nvmlDevice_t) -> int:
+    return int(_mig_record(device, "nvmlDeviceGetComputeInstanceId")[0]["ci"])
+
+
+def nvmlDeviceGetGpuInstanceById(device: c_nvmlDevice_t, gpuInstanceId: int) -> c_nvmlGpuInstance_t:
+    gpu = _physical(device, "nvmlDeviceGetGpuInstanceById")
+    if not any(g["id"] == gpuInstanceId for g in gpu.get("gis", [])):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return c_nvmlGpuInstance_t(gpu["uuid"], gpuInstanceId)
+
+
+def nvmlGpuInstanceGetInfo(gpuInstance: c_nvmlGpuInstance_t) -> SimpleNamespace:
+    gi, gpu = _gi(gpuInstance, "nvmlGpuInstanceGetInfo")
+    return SimpleNamespace(
+        device=c_nvmlDevice_t(gpu["uuid"], None),
+        id=gi["id"],
+        profileId=gi["profileId"],
+        placement=SimpleNamespace(start=gi["start"], size=gi["size"]),
+    )
+
+
+def nvmlDeviceCreateGpuInstanceWithPlacement(
+    device: c_nvmlDevice_t, profileId: int, placement: Any
+) -> c_nvmlGpuInstance_t:
+    gpu = _physical(device, "nvmlDeviceCreateGpuInstanceWithPlacement")
+    # The C API takes a pointer: pynvml passes the argument through, so callers must pass byref(...).
+    wanted = getattr(placement, "_obj", None)
+    if not isinstance(wanted, c_nvmlGpuInstancePlacement_t):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if gpu.get("migMode") != NVML_DEVICE_MIG_ENABLE:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if gpu.get("noMigPermission"):
+        raise NVMLError(NVML_ERROR_NO_PERMISSION)
+    profile = gpu["giProfiles"].get(str(profileId))
+    if profile is None or wanted.size != profile[0] or wanted.start % profile[0]:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    taken = {s for g in gpu["gis"] for s in range(g["start"], g["start"] + g["size"])}
+    if taken & set(range(wanted.start, wanted.start + wanted.size)) or wanted.start + wanted.size > gpu["memorySlices"]:
+        raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)
+    gi_id = max([g["id"] for g in gpu["gis"]], default=0) + 1
+    gpu["gis"].append({"id": gi_id, "profileId": profileId, "start": wanted.start, "size": wanted.size})
+    _save_gpu(gpu)
+    return c_nvmlGpuInstance_t(gpu["uuid"], gi_id)
+
+
+def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+    device: c_nvmlGpuInstance_t, profile: int, engProfile: int, version: int = 2
+) -> SimpleNamespace:
+    gi, gpu = _gi(device, "nvmlGpuInstanceGetComputeInstanceProfileInfo")
+    if not 0 <= profile < NVML_COMPUTE_INSTANCE_PROFILE_COUNT or engProfile != 0:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    compute = gpu["giProfiles"][str(gi["profileId"])][1]
+    if _CI_PROFILE_SLICES[profile] > compute:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return SimpleNamespace(id=profile, sliceCount=_CI_PROFILE_SLICES[profile], instanceCount=1)
+
+
+def nvmlGpuInstanceCreateComputeInstance(gpuInstance: c_nvmlGpuInstance_t, profileId: int) -> c_nvmlComputeInstance_t:
+    gi, gpu = _gi(gpuInstance, "nvmlGpuInstanceCreateComputeInstance")
+    if any(m.get("gi") == gi["id"] for m in gpu["migs"]):
+        raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)  # one compute instance per GPU instance here
+    slot = min(set(range(gpu["maxMig"])) - {m["slot"] for m in gpu["migs"]})
+    memory = gpu["giProfiles"][str(gi["profileId"])][2]
+    mig = {
+        "slot": slot,
+        "uuid": f"MIG-{uuidlib.uuid4()}",
+        "memory": memory,
+        "reserved": 0,
+        "sms": 1,
+        "gi": gi["id"],
+        "ci": 0,
+        "memoryFile": fakegpu.placement_file(gpu["uuid"], gi["start"], gi["size"]),
+    }
+    path = fakegpu.device_memory_path(mig)
+    if not path.exists():
+        with open(path, "wb") as f:
+            f.truncate(memory)
+    gpu["migs"].append(mig)
+    _save_gpu(gpu)
+    return c_nvmlComputeInstance_t(gpu["uuid"], gi["id"], 0)
+
+
+def nvmlComputeInstanceGetInfo(computeInstance: c_nvmlComputeInstance_t) -> SimpleNamespace:
+    _check("nvmlComputeInstanceGetInfo")
+    return SimpleNamespace(id=computeInstance.ci_id, profileId=0)
+
+
+def nvmlComputeInstanceDestroy(computeInstance: c_nvmlComputeInstance_t) -> None:
+    gi, gpu = _gi(c_nvmlGpuInstance_t(computeInstance.gpu_uuid, computeInstance.gi_id), "nvmlComputeInstanceDestroy")
+    mig = next((m for m in gpu["migs"] if m.get("gi") == gi["id"] and m["ci"] == computeInstance.ci_id), None)
+    if mig is None:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if fakegpu.context_holders(mig["uuid"]):
+        raise NVMLError(NVML_ERROR_IN_USE)
+    gpu["migs"].remove(mig)
+    _save_gpu(gpu)
+
+
+def nvmlGpuInstanceDestroy(gpuInstance: c_nvmlGpuInstance_t) -> None:
+    gi, gpu = _gi(gpuInstance, "nvmlGpuInstanceDestroy")
+    if any(m.get("gi") == gi["id"] for m in gpu["migs"]):
+        raise NVMLError(NVML_ERROR_IN_USE)
+    gpu["gis"].remove(gi)
+    _save_gpu(gpu)
+
+
 # ---------------------------------------------------------------- test controls (not pynvml's)
 
 
-def fake_emit_xid(uuid: str, xid: int) -> None:
-    """Deliver an XID event for a GPU to every event set registered for XIDs on it."""
+def fake_emit_xid(uuid: str, xid: int, gpu_instance: int = 0xFFFFFFFF) -> None:
+    """Deliver an XID event for a GPU (or, with ``gpu_instance``, one of its MIG devices) to every event
+    set registered for XIDs on it."""
     for event_set in list(_event_sets):
         if event_set.registered.get(uuid, 0) & nvmlEventTypeXidCriticalError:
             event_set.queue.put(
@@ -396,8 +565,8 @@ def fake_emit_xid(uuid: str, xid: int) -> None:
                     device=c_nvmlDevice_t(uuid, None),
                     eventType=nvmlEventTypeXidCriticalError,
                     eventData=xid,
-                    gpuInstanceId=0xFFFFFFFF,
-                    computeInstanceId=0xFFFFFFFF,
+                    gpuInstanceId=gpu_instance,
+                    computeInstanceId=0 if gpu_instance != 0xFFFFFFFF else 0xFFFFFFFF,
                 )
             )
 

@@ -28,17 +28,20 @@ def real_gpu() -> bool:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not real_gpu(), reason="needs an NVIDIA GPU and scrubgate[gpu]")]
 
 
+@pytest.mark.timeout(600)  # the check's own limit is 8 minutes
 def test_scrub_leaves_no_canary_on_a_real_gpu(tmp_path: Path):
     done = subprocess.run(
         [sys.executable, str(CHECK), "--tenant-gib=4", "--copy-gib=4", f"--out={tmp_path}"],
         capture_output=True,
         text=True,
-        timeout=290,
+        timeout=540,
         check=False,
     )
     print(done.stdout, done.stderr)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["selftest"]["ok"], report["selftest"]
-    assert report["withScrub"]["scrub"]["verified"], report["withScrub"]["scrub"]["reason"]
-    assert report["withScrub"]["probe"]["canaryWords"] == 0
+    steps = report["steps"]
+    assert steps["selftest"]["ok"], steps["selftest"]
+    assert steps["scrub"]["scrub"]["verified"], steps["scrub"]["scrub"]["reason"]
+    assert steps["scrub"]["probe"]["canaryWords"] == 0
+    assert steps["scrub"]["coverage"]["unreachedShare"] <= 0.02
     assert done.returncode == 0

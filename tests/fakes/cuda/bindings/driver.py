@@ -13,7 +13,10 @@ the semantics documented beside their PTX in sanitizer_agent/gpu/cuda_scrub.py.
 
 Faults, from node.json's ``cuda`` object: ``fail: {call: "CUDA_ERROR_..."}``, ``memsetNoop`` (true,
 or a list of memset calls: they return success but write nothing), ``hang: call`` (the call never returns), ``heldBytes: {uuid: n}``
-(memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may).
+(memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may),
+``lazyBytes`` (device memory the first kernel launch takes, as lazy loading does: out of memory when
+the device is already full), ``computeCapability`` ([major, minor], default [9, 0]: which shipped cubin
+loads), ``noJit`` (PTX cannot be loaded: no JIT compiler in the container).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_ECC_UNCORRECTABLE = 214
     CUDA_ERROR_INVALID_PTX = 218
+    CUDA_ERROR_JIT_COMPILER_NOT_FOUND = 221
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
@@ -53,6 +58,8 @@ class CUresult(enum.IntEnum):
 
 class CUdevice_attribute(enum.IntEnum):
     CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 
 class _Handle:
@@ -119,6 +126,7 @@ class _State:
     modules: dict[int, dict[str, list[int]]] = field(default_factory=dict)  # id -> entry -> param sizes
     functions: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     next_handle: int = 1
+    launched: bool = False
 
 
 _state = _State()
@@ -212,14 +220,14 @@ def _span(ptr: Any, length: int) -> int | None:
 
 def _read(offset: int, length: int) -> bytes:
     assert _state.device is not None
-    with open(fakegpu.memory_path(_state.device["uuid"]), "rb") as f:
+    with open(fakegpu.device_memory_path(_state.device), "rb") as f:
         f.seek(offset)
         return f.read(length)
 
 
 def _write(offset: int, data: bytes) -> None:
     assert _state.device is not None
-    with open(fakegpu.memory_path(_state.device["uuid"]), "r+b") as f:
+    with open(fakegpu.device_memory_path(_state.device), "r+b") as f:
         f.seek(offset)
         f.write(data)
 
@@ -270,7 +278,31 @@ def cuDeviceGetAttribute(attrib: CUdevice_attribute, dev: CUdevice) -> tuple[CUr
     if not isinstance(attrib, CUdevice_attribute) or not isinstance(dev, CUdevice):
         raise TypeError("cuDeviceGetAttribute(attrib: CUdevice_attribute, dev: CUdevice)")
     assert _state.device is not None
-    return (CUresult.CUDA_SUCCESS, int(_state.device.get("sms", 1)))
+    major, minor = _capability()
+    values = {
+        CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: int(_state.device.get("sms", 1)),
+        CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: major,
+        CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: minor,
+    }
+    return (CUresult.CUDA_SUCCESS, values[attrib])
+
+
+def _capability() -> tuple[int, int]:
+    # A MIG device's record has none of its own: its GPU's (an H200's 9.0 by default).
+    major, minor = _config().get("computeCapability", [9, 0])
+    return int(major), int(minor)
+
+
+def _cubin_entries(image: bytes) -> dict[str, list[int]] | CUresult:
+    """Entries of a cubin (an ELF whose header names its SM) that runs on this device: same major, minor
+    not above the device's; the parameter sizes are those of the kernels' PTX."""
+    flags = int.from_bytes(image[48:52], "little")
+    sm = (flags >> 8) & 0xFF if image[7] == 65 else flags & 0xFF  # the newer and the older cubin ABI
+    major, minor = _capability()
+    if sm // 10 != major or sm % 10 > minor:
+        return CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU
+    sizes = {"scrubgate_count_nonzero": [8, 8, 8], "scrubgate_count_equal_u32": [8, 8, 4, 8]}
+    return {name: params for name, params in sizes.items() if name.encode() in image}
 
 
 def cuDevicePrimaryCtxRetain(dev: CUdevice) -> tuple[CUresult, CUcontext | None]:
@@ -301,6 +333,13 @@ def cuModuleLoadData(image: Any) -> tuple[CUresult, CUmodule | None]:
     err = _ready("cuModuleLoadData")
     if err:
         return (err, None)
+    if isinstance(image, bytes) and image.startswith(b"\x7fELF"):
+        entries = _cubin_entries(image)
+        if isinstance(entries, CUresult):
+            return (entries, None)
+        return _load(entries)
+    if _config().get("noJit"):
+        return (CUresult.CUDA_ERROR_JIT_COMPILER_NOT_FOUND, None)
     if not isinstance(image, bytes) or not image.endswith(b"\0") or image.count(b"\0") != 1:
         return (CUresult.CUDA_ERROR_INVALID_PTX, None)
     text = image[:-1].decode("ascii", errors="replace")
@@ -314,7 +353,11 @@ def cuModuleLoadData(image: Any) -> tuple[CUresult, CUmodule | None]:
         entries[name] = [_PTX_TYPE_SIZES[s] for s in sizes]
     if not entries:
         return (CUresult.CUDA_ERROR_INVALID_PTX, None)
-    # The JIT'ed code lives in device memory: a full device cannot load a module.
+    return _load(entries)
+
+
+def _load(entries: dict[str, list[int]]) -> tuple[CUresult, CUmodule | None]:
+    # The module's code lives in device memory: a full device cannot load a module.
     code = _allocate(int(_config().get("moduleBytes", 256 << 10)))
     if code is None:
         return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
@@ -455,6 +498,11 @@ def cuLaunchKernel(
         and len(kernelParams[0]) == len(kernelParams[1])
     ):
         raise TypeError("fake cuLaunchKernel takes kernelParams as ((values...), (ctypes types...))")
+    if not _state.launched and _config().get("lazyBytes"):
+        if _allocate(int(_config()["lazyBytes"])) is None:
+            return (CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        _publish_usage()
+    _state.launched = True
     name, param_sizes = function
     values, types = kernelParams
     if [_CTYPE_SIZES.get(t) for t in types] != param_sizes:

@@ -1,0 +1,145 @@
+"""GPU instances through NVML, for the scrub of a dynamic MIG placement.
+
+NVIDIA's DRA driver deletes a dynamic MIG device on unprepare; its memory slices still hold what the tenant
+left. The agent creates a GPU instance with the same GI profile at the same placement (so it owns exactly
+those memory slices), one compute instance in it (CUDA needs one to see the device), scrubs the MIG device
+that appears, and destroys both. Creating and destroying GPU instances needs the MIG management
+capability: root in the host's view, or read access to `/proc/driver/nvidia/capabilities/mig/config`
+(the DaemonSet's comment says why the agent is privileged).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .base import GpuError, MigPlacement
+
+MIG_CONFIG_CAPABILITY = Path("/proc/driver/nvidia/capabilities/mig/config")
+CAPS_DEVICE_DIR = Path("/dev/nvidia-caps")
+
+
+def config_capability_problem(proc_file: Path = MIG_CONFIG_CAPABILITY, dev_dir: Path = CAPS_DEVICE_DIR) -> str | None:
+    """Why the MIG config capability cannot be used here, or None when its device node opens."""
+    try:
+        text = proc_file.read_text()
+    except OSError as exc:
+        return f"cannot read {proc_file} ({exc.strerror or exc}); the driver has no MIG or /proc is not the host's"
+    match = re.search(r"DeviceFileMinor:\s*(\d+)", text)
+    if match is None:
+        return f"{proc_file} names no DeviceFileMinor"
+    node = dev_dir / f"nvidia-cap{match.group(1)}"
+    try:
+        os.close(os.open(node, os.O_RDONLY))
+    except OSError as exc:
+        return f"cannot open {node} ({exc.strerror or exc})"
+    return None
+
+
+@dataclass(frozen=True)
+class LiveInstance:
+    """A MIG device that exists now, with its GPU instance's placement."""
+
+    uuid: str
+    handle: Any
+    profile_id: int
+    start: int
+    size: int
+
+    def overlaps(self, placement: MigPlacement) -> bool:
+        return bool(set(range(self.start, self.start + self.size)) & placement.slices)
+
+    def is_at(self, placement: MigPlacement) -> bool:
+        return (self.profile_id, self.start, self.size) == (placement.profile_id, placement.start, placement.size)
+
+
+def live_instances(nvml: Any, gpu: Any) -> list[LiveInstance]:
+    """Every MIG device of the GPU (handle `gpu`) with its GPU instance's profile and placement."""
+    found = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
+                continue
+            raise
+        info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(gpu, nvml.nvmlDeviceGetGpuInstanceId(mig)))
+        found.append(
+            LiveInstance(
+                nvml.nvmlDeviceGetUUID(mig),
+                mig,
+                int(info.profileId),
+                int(info.placement.start),
+                int(info.placement.size),
+            )
+        )
+    return found
+
+
+@contextmanager
+def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[str]:
+    """A GPU instance at `placement` with one compute instance, for the time of the block: yields the UUID
+    of its MIG device. Raises GpuError when NVML refuses; destroys what it created, and raises GpuError
+    when that fails (the placement would stay blocked)."""
+    where = (
+        f"GI profile {placement.profile_id} at memory slices {placement.start}..{placement.start + placement.size - 1}"
+    )
+    c_placement = nvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+    try:
+        gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, placement.profile_id, ctypes.byref(c_placement))
+    except nvml.NVMLError as exc:
+        raise GpuError(f"NVML cannot create a GPU instance ({where}) on {placement.parent_uuid}: {exc}") from exc
+    ci = None
+    try:
+        info = nvml.nvmlGpuInstanceGetInfo(gi)
+        got = (int(info.profileId), int(info.placement.start), int(info.placement.size))
+        if got != (placement.profile_id, placement.start, placement.size):
+            raise GpuError(f"NVML created the GPU instance for {where} with profile/placement {got}")
+        ci = _compute_instance(nvml, gi, where)
+        ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+        uuid = next(
+            (
+                live.uuid
+                for live in live_instances(nvml, gpu)
+                if live.is_at(placement) and int(nvml.nvmlDeviceGetComputeInstanceId(live.handle)) == ci_id
+            ),
+            None,
+        )
+        if uuid is None:
+            raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
+        yield uuid
+    finally:
+        _destroy(nvml, gi, ci, where)
+
+
+def _compute_instance(nvml: Any, gi: Any, where: str) -> Any:
+    """The largest compute instance the GPU instance takes (any covers the instance's whole memory; the
+    largest has the most SMs, so the scrub runs fastest)."""
+    last: Exception | None = None
+    for profile in reversed(range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+        try:
+            info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gi, profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+            )
+            return nvml.nvmlGpuInstanceCreateComputeInstance(gi, info.id)
+        except nvml.NVMLError as exc:
+            last = exc
+    raise GpuError(f"NVML cannot create a compute instance in the GPU instance for {where}: {last}")
+
+
+def _destroy(nvml: Any, gi: Any, ci: Any, where: str) -> None:
+    try:
+        if ci is not None:
+            nvml.nvmlComputeInstanceDestroy(ci)
+        nvml.nvmlGpuInstanceDestroy(gi)
+    except nvml.NVMLError as exc:
+        raise GpuError(
+            f"NVML cannot destroy the GPU instance the scrub created ({where}): {exc}; the placement stays "
+            "taken until an operator removes it (nvidia-smi mig -dci, then -dgi)"
+        ) from exc
