@@ -20,32 +20,17 @@ from agent_support import (
     restart_and_finish,
 )
 from scrubgate.policies import names
-from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
+from scrubgate.sanitizer_agent.agent import Agent
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, ClaimRef, State, Teardown
 from scrubgate.sanitizer_agent.cli import add_arguments
 from scrubgate.sanitizer_agent.lanes import Lanes
-from scrubgate.sanitizer_agent.rescrub import request_dir
 
 WAIT_S = 10.0
 
 
 def concurrent_agent(node: GpuNode, workers: int = 4, **parts: Any) -> Agent:
     """A fresh agent process of `node` whose teardowns run in `workers` lanes."""
-    return Agent(
-        AgentSettings(
-            node=NODE,
-            teardown=node.settings,
-            nvidia_checkpoint=None,
-            rescrub_dir=request_dir(node.checkpoint),
-            max_concurrent_teardowns=workers,
-        ),
-        cluster=parts.get("cluster") or node.cluster,
-        backend=parts.get("backend") or node.backend(),
-        store=CheckpointStore(node.checkpoint, NODE),
-        signer=node.signer,
-        clock=node.clock,
-        on_transition=parts.get("on_transition"),
-    )
+    return node.agent(max_concurrent_teardowns=workers, **parts)
 
 
 def settle(node: GpuNode, agent: Agent, rounds: int = 50) -> None:
