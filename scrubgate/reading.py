@@ -4,6 +4,7 @@ so far, and its findings are located while its node tree is at hand. Many files 
 
 from __future__ import annotations
 
+import dataclasses
 import marshal
 import multiprocessing
 import os
@@ -149,6 +150,9 @@ def _read_in_worker(files: list[str]) -> bytes | Part:
 # writes and reads the objects (a document's data costs a fifth of its parse to send back as objects).
 
 
+_FINDING_FIELDS = tuple(f.name for f in dataclasses.fields(Finding))
+
+
 def _pack(part: Part) -> bytes:
     checked = []
     for c in part.checked:
@@ -162,7 +166,7 @@ def _pack(part: Part) -> bytes:
                 d.prefix,
                 d.text,
                 d.lines,
-                [(f.rule, f.action, f.message, f.path, f.patch) for f in c.findings],
+                [tuple(getattr(f, name) for name in _FINDING_FIELDS) for f in c.findings],
                 c.trusted,
             )
         )
@@ -175,5 +179,6 @@ def _unpack(data: bytes) -> Part:
     part = Part(files, errors=[InputError(*e) for e in errors])
     for file, index, obj, span, prefix, text, lines, findings, trusted in checked:
         document = Document(file, index, obj, None if span is None else Span(*span), prefix, text, None, lines)
-        part.checked.append(CheckedObject(document, [Finding(*f) for f in findings], trusted))
+        found = [Finding(**dict(zip(_FINDING_FIELDS, f, strict=True))) for f in findings]
+        part.checked.append(CheckedObject(document, found, trusted))
     return part
