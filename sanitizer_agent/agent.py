@@ -125,6 +125,8 @@ class Agent:
         workers = settings.max_concurrent_teardowns
         self._lanes = Lanes(workers, f"teardown-{self.node}") if workers > 0 else None
         self._sight_pool = ThreadPoolExecutor(workers, f"first-sight-{self.node}") if workers > 0 else None
+        # The fences of one claim's devices (a whole GPU and its MIG slices: eight) go up and down at once.
+        self._fence_pool = ThreadPoolExecutor(workers, f"fence-{self.node}") if workers > 0 else None
         self._slices_lock = threading.Lock()  # one refresh at a time (first sights run side by side)
 
     @property
@@ -146,6 +148,9 @@ class Agent:
         }
         version = with_retries("DeviceTaintRule discovery", self.cluster.device_taint_rule_version)
         fencer = Fencer(self.cluster, self.node, version, self.metrics)
+        if self._fence_pool is not None:
+            pool = self._fence_pool
+            fencer.each = lambda call, items: list(pool.map(call, items))  # type: ignore[method-assign]
         self._engine = TeardownEngine(
             node=self.node,
             store=self.store,
@@ -532,6 +537,8 @@ class Agent:
             self._sight_pool.shutdown(wait=True)
         if self._lanes is not None:
             self._lanes.close()
+        if self._fence_pool is not None:
+            self._fence_pool.shutdown(wait=True)
 
     def run(self, stop: threading.Event) -> None:
         """start(), then watch and tick until `stop` is set."""

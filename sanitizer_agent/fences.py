@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from scrubgate.policies import names
@@ -63,6 +63,12 @@ class Fencer:
                 names.TAINT_UNSANITIZED,
             )
 
+    def each(self, call: Callable[[Any], object], items: Iterable[Any]) -> None:
+        """`call` for every item (a fence of each device), one after the other; the agent's lanes make it
+        side by side (`Agent.start`)."""
+        for item in items:
+            call(item)
+
     @property
     def weak(self) -> bool:
         return self.rule_version is None
@@ -86,9 +92,12 @@ class Fencer:
     def fence(self, td: Teardown, tearing_down: bool) -> None:
         """Ensures the unsanitized fence: a rule per fenced device, or (weak mode, during teardown) the node taint."""
         if self.rule_version:
-            for device in td.fenced():
-                body = self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
-                self.cluster.create_device_taint_rule(self.rule_version, body)
+            self.each(
+                lambda device: self.cluster.create_device_taint_rule(
+                    self.rule_version, self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
+                ),
+                td.fenced(),
+            )
         elif tearing_down:
             self._ensure_node_taint(names.TAINT_UNSANITIZED)
 
@@ -109,8 +118,9 @@ class Fencer:
             if td.attempts:  # it failed at some point: scrub-failed rules may exist
                 for device in td.devices:
                     self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
-            for fenced in td.fenced():
-                self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule)
+            self.each(
+                lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule), td.fenced()
+            )
             return
         others = [o for o in others if o.claim.uid != td.claim.uid]
         if not any(o.state == State.FAILED for o in others):

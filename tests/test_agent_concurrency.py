@@ -350,3 +350,33 @@ def test_a_burst_of_allocations_is_read_and_fenced_side_by_side(node):
         agent.close()
     assert [claim_status(node, name) for name in ("a", "b")] == [names.SCRUB_FENCED] * 2
     assert node.clean(0) and node.violations.found == []
+
+
+def test_the_fences_of_one_claims_devices_go_up_and_down_at_once(tmp_path):
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)  # gpu-0 and its two MIG slices: three fences for gpu-0
+    together = threading.Barrier(3, timeout=WAIT_S)
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(node.cluster, name)
+
+        def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
+            together.wait()  # all three at once, or the barrier breaks
+            node.cluster.create_device_taint_rule(version, rule)
+
+        def delete_device_taint_rule(self, version: str, name: str) -> None:
+            together.wait()
+            node.cluster.delete_device_taint_rule(version, name)
+
+    agent = concurrent_agent(node, workers=3, cluster=Api())
+    agent.start()
+    try:
+        _, pod = node.tenant("whole", [0])
+        agent.observe_pod("ADDED", pod)
+        assert all(node.fenced(i) for i in range(3))
+        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+        settle(node, agent)
+    finally:
+        agent.close()
+    assert not together.broken and not node.cluster.rules and node.clean(0)
+    assert node.violations.found == []
