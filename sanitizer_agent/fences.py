@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,6 +53,9 @@ class Fencer:
         self.node = node
         self.rule_version = rule_version
         self.metrics = metrics
+        # Weak mode: whether the node taint may go is decided from the other teardowns' states; teardowns
+        # running side by side decide and taint one at a time, so that none lifts a taint another just needed.
+        self._node_taint = threading.RLock()
         metrics.weak_fence.set(0 if rule_version else 1)
         if rule_version is None:
             log.error(
@@ -99,7 +103,8 @@ class Fencer:
                 td.fenced(),
             )
         elif tearing_down:
-            self._ensure_node_taint(names.TAINT_UNSANITIZED)
+            with self._node_taint:
+                self._ensure_node_taint(names.TAINT_UNSANITIZED)
 
     def mark_failed(self, td: Teardown, reason: str) -> None:
         """Adds the scrub-failed taint next to the unsanitized one (which stays)."""
@@ -109,7 +114,8 @@ class Fencer:
                 body = self._rule(td, device.failed_rule, device, names.TAINT_SCRUB_FAILED, reason)
                 self.cluster.create_device_taint_rule(self.rule_version, body)
         else:
-            self._ensure_node_taint(names.TAINT_SCRUB_FAILED)
+            with self._node_taint:
+                self._ensure_node_taint(names.TAINT_SCRUB_FAILED)
 
     def lift(self, td: Teardown, others: Iterable[Teardown]) -> None:
         """Deletes this teardown's fences, and only those: call it only after a verified scrub.
@@ -122,11 +128,12 @@ class Fencer:
                 lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule), td.fenced()
             )
             return
-        others = [o for o in others if o.claim.uid != td.claim.uid]
-        if not any(o.state == State.FAILED for o in others):
-            self._remove_node_taint(names.TAINT_SCRUB_FAILED)
-        if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
-            self._remove_node_taint(names.TAINT_UNSANITIZED)
+        with self._node_taint:
+            others = [o for o in others if o.claim.uid != td.claim.uid]
+            if not any(o.state == State.FAILED for o in others):
+                self._remove_node_taint(names.TAINT_SCRUB_FAILED)
+            if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
+                self._remove_node_taint(names.TAINT_UNSANITIZED)
 
     # ---------------------------------------------------------------- node taint (weak fence)
 

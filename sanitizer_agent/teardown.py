@@ -155,7 +155,7 @@ class TeardownEngine:
         # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
         # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
         self.schedule: Callable[[Teardown], None] = self.advance
-        self._scrubbing: dict[str, threading.Lock] = {}  # GPU or MIG UUID -> held while it is scrubbed
+        self._scrubbing: dict[str, threading.Lock] = {}  # what `_scrub_of` keys a device by -> held meanwhile
         self._scrubbing_lock = threading.Lock()
 
     # ---------------------------------------------------------------- entry points

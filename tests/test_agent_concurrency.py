@@ -380,3 +380,32 @@ def test_the_fences_of_one_claims_devices_go_up_and_down_at_once(tmp_path):
         agent.close()
     assert not together.broken and not node.cluster.rules and node.clean(0)
     assert node.violations.found == []
+
+
+def test_weak_fences_of_teardowns_side_by_side_stand_while_any_device_is_dirty(tmp_path):
+    node = make_node(tmp_path, gpus=3, versions=())  # no DeviceTaintRule API: the node taint is the fence
+    lifted_while_dirty: list[str] = []
+    monitor = node.cluster.hook
+
+    def check(operation: str, args: tuple[Any, ...]) -> None:
+        monitor(operation, args)
+        for op in args[1] if operation == "patch_node" else []:
+            if op["op"] == "replace" and op["path"] == "/spec/taints":
+                keeps = any(t.get("key") == names.TAINT_UNSANITIZED for t in op["value"])
+                if not keeps and not all(node.clean(i) for i in range(3)):  # all three pods ended together
+                    lifted_while_dirty.append(json.dumps(op["value"]))
+
+    node.cluster.hook = check
+    agent = concurrent_agent(node, workers=3)
+    agent.start()
+    try:
+        pods = [node.tenant(f"job-{i}", [i])[1] for i in range(3)]
+        for pod in pods:
+            agent.observe_pod("ADDED", pod)
+        agent.observe_batch([("MODIFIED", node.finish(pod, controller=False)) for pod in pods])
+        settle(node, agent)
+    finally:
+        agent.close()
+    assert lifted_while_dirty == []
+    assert all(node.clean(i) for i in range(3)) and node.cluster.node_taints(NODE) == []
+    assert node.violations.found == []
