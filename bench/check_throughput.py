@@ -1,16 +1,19 @@
-"""Throughput of `scrubgate check` (issue 2, item 7).
+"""Throughput of `scrubgate check` (issue 2, item 7; issue 13).
 
-Generates a corpus of DRA manifests (every resource.k8s.io version, every pod-carrying kind, unrelated kinds,
-~10% violations), then times:
+Generates a corpus of DRA manifests (every resource.k8s.io version, every pod-carrying kind, unrelated kinds)
+in each of two shapes: `multi-document` (files of 25 documents, ~10% violations) and `many-small` (one
+document a file, ~half of them violating a rule, as in a repository of hand-written manifests). Then, per
+shape, it times:
 
   * policy evaluation alone, in process, on one core: objects/s (goal >= 50,000);
-  * YAML parsing + evaluation, in process: documents/s;
-  * `scrubgate check --format json CORPUS` as a whole process: documents/s (goal >= 5,000);
+  * YAML parsing + evaluation, in process, on one core: documents/s;
+  * `scrubgate check --format json CORPUS` as a whole process: documents/s (goal >= 10,000);
   * `checkov -d CORPUS --framework kubernetes --quiet` on the same corpus, where checkov is installed in
     bench/.checkov-venv (see bench/README.md): the ratio (goal: scrubgate >= 20x faster).
 
-Run: .venv/bin/python bench/check_throughput.py [--docs 12000] [--repeat 3] [--no-checkov]
-Prints a table; exits 1 when a goal is missed.
+Run: .venv/bin/python bench/check_throughput.py [--docs 12000] [--shape multi-document many-small]
+                                                [--repeat 3] [--no-checkov]
+Prints a table per shape; exits 1 when a goal is missed.
 """
 
 from __future__ import annotations
@@ -42,8 +45,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 CHECKOV = BENCH / ".checkov-venv" / "bin" / "checkov"
 SCRUBGATE = Path(sys.executable).with_name("scrubgate")
-DOCS_PER_FILE = 25
-GOALS = {"evaluation": 50_000, "end_to_end": 5_000, "checkov_ratio": 20}
+GOALS = {"evaluation": 50_000, "end_to_end": 10_000, "checkov_ratio": 20}
 
 # --- corpus ----------------------------------------------------------------------------------------------------
 
@@ -163,9 +165,15 @@ def _other(i: int, rng: random.Random) -> dict[str, Any]:
     )
 
 
-def generate(corpus: Path, docs: int, seed: int = 2025) -> int:
-    """Writes `docs` documents into `corpus` (multi-document YAML files and single-object JSON files);
-    returns how many of them violate a deny rule."""
+# The two corpus shapes: (documents per file, share of documents breaking a deny rule). Multi-document files of
+# generated manifests with few findings, and a repository of small hand-written files, half of them with one.
+SHAPES = {"multi-document": (25, 0.10), "many-small": (1, 0.50)}
+
+
+def generate(corpus: Path, docs: int, shape: str = "multi-document", seed: int = 2025) -> int:
+    """Writes `docs` documents into `corpus` in the given shape (multi-document YAML files and single-object JSON
+    files); returns how many of them violate a deny rule."""
+    docs_per_file, violating_share = SHAPES[shape]
     rng = random.Random(seed)
     if corpus.is_dir() and any(corpus.iterdir()) and not (corpus / "meta.txt").exists():
         raise SystemExit(f"{corpus} is not empty and not a corpus this benchmark wrote: refusing to replace it")
@@ -174,7 +182,7 @@ def generate(corpus: Path, docs: int, seed: int = 2025) -> int:
     objects, violating = [], 0
     for i in range(docs):
         roll = rng.random()
-        violation = rng.choice(VIOLATIONS) if rng.random() < 0.10 else None
+        violation = rng.choice(VIOLATIONS) if rng.random() < violating_share else None
         if roll < 0.35:
             if violation in ("shared", "short-grace", "no-grace"):
                 violation = "retain"
@@ -188,8 +196,8 @@ def generate(corpus: Path, docs: int, seed: int = 2025) -> int:
             objects.append(_other(i, rng))
         violating += violation is not None
     index = 0
-    for number, start in enumerate(range(0, docs, DOCS_PER_FILE)):
-        chunk = objects[start : start + DOCS_PER_FILE]
+    for number, start in enumerate(range(0, docs, docs_per_file)):
+        chunk = objects[start : start + docs_per_file]
         team = corpus / f"team-{number % 20:02d}"
         team.mkdir(exist_ok=True)
         if number % 10 == 9:  # some JSON: one object per file
@@ -197,10 +205,10 @@ def generate(corpus: Path, docs: int, seed: int = 2025) -> int:
                 (team / f"object-{index:06d}.json").write_text(json.dumps(obj, indent=2))
                 index += 1
         else:
-            text = yaml.dump_all(chunk, Dumper=yaml.CSafeDumper, sort_keys=False, explicit_start=True)
+            text = yaml.dump_all(chunk, Dumper=yaml.CSafeDumper, sort_keys=False, explicit_start=docs_per_file > 1)
             (team / f"manifests-{number:05d}.yaml").write_text(text)
             index += len(chunk)
-    (corpus / "meta.txt").write_text(f"{docs} {violating} {seed}\n")  # not read by either tool (not yaml/json)
+    (corpus / "meta.txt").write_text(f"{docs} {violating} {seed} {shape}\n")  # not read by either tool (not yaml/json)
     return violating
 
 
@@ -290,13 +298,21 @@ def main() -> int:
         "checkov skips)",
     )
     parser.add_argument("--no-checkov", action="store_true", help="skip checkov even where it is installed")
+    parser.add_argument(
+        "--shape", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="corpus shapes (default: both)"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="scrubgate-bench-") as tmp:
-        return bench(args, args.corpus or Path(tmp) / "corpus")
+    print(f"machine: {machine()}")
+    failed = 0
+    for shape in args.shape:
+        with tempfile.TemporaryDirectory(prefix="scrubgate-bench-") as tmp:
+            corpus = (args.corpus / shape) if args.corpus else Path(tmp) / "corpus"
+            failed |= bench(args, corpus, shape)
+    return failed
 
 
-def bench(args: argparse.Namespace, corpus: Path) -> int:
-    violating = generate(corpus, args.docs)
+def bench(args: argparse.Namespace, corpus: Path, shape: str) -> int:
+    violating = generate(corpus, args.docs, shape)
     policy = load_policy()
     rows: list[tuple[str, str, str, str]] = []
     missed = []
@@ -317,7 +333,9 @@ def bench(args: argparse.Namespace, corpus: Path) -> int:
 
     best, median, result = best_of(args.repeat, lambda: run_check([str(corpus)], policy))
     documents = len(result.objects)
-    rows.append(("YAML parsing + evaluation (in process)", f"{documents / best:,.0f} docs/s", "", f"{best:.2f} s"))
+    rows.append(
+        ("YAML parsing + evaluation (in process, 1 core)", f"{documents / best:,.0f} docs/s", "", f"{best:.2f} s")
+    )
     if affinity:
         os.sched_setaffinity(0, affinity)
 
@@ -365,9 +383,8 @@ def bench(args: argparse.Namespace, corpus: Path) -> int:
         if ratio < GOALS["checkov_ratio"]:
             missed.append("checkov_ratio")
 
-    print(f"machine: {machine()}")
     print(
-        f"corpus: {corpus} - {summary['files']} files, {summary['documents']} documents, "
+        f"\n{shape} corpus: {corpus} - {summary['files']} files, {summary['documents']} documents, "
         f"{violating} violating a deny rule ({violating / summary['documents']:.0%}); scrubgate found "
         f"{summary['deny']} deny, {summary['warn']} warn"
     )

@@ -9,6 +9,12 @@ changes state goes through the TeardownEngine; this module decides *when*.
 
 Start-up order matters: every device that may be dirty is fenced before anything else happens, so a
 restarted agent never lifts a fence while another device it owes a scrub still stands unfenced.
+
+Concurrency (`max_concurrent_teardowns` > 0): the loop's thread reads events and fences new allocations
+itself, at once; everything else a claim's teardown does (release checks, drain, scrub, attestation, API
+writes) runs in the claim's lane (`lanes.py`): in order for one claim, side by side for different claims, at
+most that many at once. Each step is still checkpointed before its side effect, so a crash anywhere restarts
+into "fenced" or "verified clean".
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +52,7 @@ from .device_access import require_device_access
 from .fences import Fencer
 from .gpu import GpuBackend
 from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
+from .lanes import Lanes
 from .metrics import AgentMetrics
 from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, TransitionHook
 from .unguarded import add_missing_finalizer
@@ -74,6 +82,8 @@ class AgentSettings:
     api_backoff_max_s: float = 60.0
     # /healthz fails when the loop has not come round for this long (a scrub of a big GPU takes a while).
     liveness_s: float = 600.0
+    # Teardowns worked on at once, each in a thread of its own; 0: every step in the calling thread.
+    max_concurrent_teardowns: int = 0
 
 
 class Agent:
@@ -110,6 +120,14 @@ class Agent:
         self._last_tick: float | None = None
         self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
         self._unscrubbable: set[DeviceKey] = set()  # devices already logged as not the agent's to scrub
+        # Guards the maps above that the lanes change too (finished pods, releases, API backoffs).
+        self._lock = threading.Lock()
+        workers = settings.max_concurrent_teardowns
+        self._lanes = Lanes(workers, f"teardown-{self.node}") if workers > 0 else None
+        self._sight_pool = ThreadPoolExecutor(workers, f"first-sight-{self.node}") if workers > 0 else None
+        # The fences of one claim's devices (a whole GPU and its MIG slices: eight) go up and down at once.
+        self._fence_pool = ThreadPoolExecutor(workers, f"fence-{self.node}") if workers > 0 else None
+        self._slices_lock = threading.Lock()  # one refresh at a time (first sights run side by side)
 
     @property
     def engine(self) -> TeardownEngine:
@@ -130,6 +148,9 @@ class Agent:
         }
         version = with_retries("DeviceTaintRule discovery", self.cluster.device_taint_rule_version)
         fencer = Fencer(self.cluster, self.node, version, self.metrics)
+        if self._fence_pool is not None:
+            pool = self._fence_pool
+            fencer.each = lambda call, items: list(pool.map(call, items))  # type: ignore[method-assign]
         self._engine = TeardownEngine(
             node=self.node,
             store=self.store,
@@ -142,6 +163,8 @@ class Agent:
             clock=self.clock,
             on_transition=self.on_transition,
         )
+        if self._lanes is not None:
+            self._engine.schedule = lambda td: self._submit(td, lambda: self.engine.advance(td), "advance")
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()
@@ -161,6 +184,10 @@ class Agent:
         self._check_releases()
 
     def _refresh_slices(self) -> None:
+        with self._slices_lock:
+            self._refresh_slices_now()
+
+    def _refresh_slices_now(self) -> None:
         self._slices_read = time.monotonic()
         try:
             self._slices = slice_devices(self.cluster.list_node_slices(self.node))
@@ -170,7 +197,7 @@ class Agent:
         # A teardown that may be dirty fences what now shares memory with its devices (at start, this also
         # covers teardowns begun while the slices could not be read). It calls the API only for a new fence,
         # which is too urgent to wait out a teardown's backoff.
-        for td in list(self.store.teardowns.values()):
+        for td in self._teardowns():
             try:
                 self.engine.cover_overlaps(td, self._slices)
             except ClusterError as exc:
@@ -210,7 +237,7 @@ class Agent:
         log.warning("claim %s: prepared in NVIDIA's checkpoint but unknown to the agent; fencing it", ref)
         td = self._begin(ref, list(devices.items()), source="nvidia-checkpoint")
         if td is not None:
-            self._guarded(td, lambda: self._check_release(td))
+            self._submit(td, lambda: self._check_release(td))
 
     # ---------------------------------------------------------------- events
 
@@ -220,7 +247,8 @@ class Agent:
         namespace, uid = meta.get("namespace") or "", meta.get("uid") or ""
         finished = kind == "DELETED" or pod_finished(pod)
         if finished and uid:
-            self._finished_pods[uid] = self.clock()
+            with self._lock:
+                self._finished_pods[uid] = self.clock()
             self._live_pods.discard(uid)
         elif uid:
             self._live_pods.add(uid)
@@ -235,11 +263,11 @@ class Agent:
                 continue
             if claim is None:
                 if known is not None:
-                    self._guarded(known, lambda td=known: self.engine.release(td, "claim deleted"))
+                    self._submit(known, lambda td=known: self.engine.release(td, "claim deleted"))
                 continue
             td = self._track(claim)
             if td is not None:
-                self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+                self._submit(td, lambda td=td, claim=claim: self._check_release(td, claim))
 
     def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
         """A full list of this node's pods. A running pod that is not in it may have gone though no watch said
@@ -261,7 +289,7 @@ class Agent:
             if known is not None and known.state in VERIFIED_STATES:
                 # Finished first (a restart after the scrub, before the finalizer's removal), so that a later
                 # use of the claim, which its attestation does not cover, gets a teardown of its own.
-                self._guarded(known, lambda td=known: self.engine.advance(td))
+                self._submit(known, lambda td=known: self.engine.advance(td), "advance")
             if not uid or uid in self.store.teardowns:
                 continue
             if deleted_before_allocation(claim):
@@ -271,7 +299,7 @@ class Agent:
                 continue
             td = self._track(claim)
             if td is not None:
-                self._guarded(td, lambda td=td, claim=claim: self._check_release(td, claim))
+                self._submit(td, lambda td=td, claim=claim: self._check_release(td, claim))
 
     def _drop_finalizer(self, claim: dict[str, Any]) -> None:
         """A claim deleted before it ever held a device: nothing to scrub, and no agent will attest it, so its
@@ -304,13 +332,18 @@ class Agent:
                 continue
             pod = self.cluster.get_pod(namespace, name)
             if pod is None or (pod.get("metadata") or {}).get("uid") != uid or pod_finished(pod):
-                self._finished_pods[uid] = self.clock()
+                with self._lock:
+                    self._finished_pods[uid] = self.clock()
 
     def _find(self, namespace: str, name: str) -> Teardown | None:
         return next(
-            (td for td in self.store.teardowns.values() if (td.claim.namespace, td.claim.name) == (namespace, name)),
+            (td for td in self._teardowns() if (td.claim.namespace, td.claim.name) == (namespace, name)),
             None,
         )
+
+    def _teardowns(self) -> list[Teardown]:
+        """The teardowns now (a copy: lanes add and drop teardowns while the loop looks)."""
+        return list(self.store.teardowns.values())
 
     def _track(self, claim: dict[str, Any]) -> Teardown | None:
         """The teardown for this claim, started (and fenced) on first sight of its allocation here."""
@@ -320,7 +353,8 @@ class Agent:
             return None
         if uid in self.store.teardowns:
             return self.store.teardowns[uid]
-        released = self._released.get(uid)
+        with self._lock:
+            released = self._released.get(uid)
         if released is not None and {pod for _, pod in reserved_pods(claim)} <= released[0]:
             return None  # torn down for these pods already; a new pod on the claim starts a new teardown
         recorded = dict(recorded_devices(claim))
@@ -383,13 +417,14 @@ class Agent:
             reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason:
             consumers = reserved_pods(claim) if claim else []
-            self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
+            with self._lock:
+                self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
             self.engine.release(td, reason, consumers)
 
     def _check_releases(self) -> None:
-        for td in list(self.store.teardowns.values()):
+        for td in self._teardowns():
             if td.state == State.ALLOCATED:
-                self._guarded(td, lambda td=td: self._check_release(td))
+                self._submit(td, lambda td=td: self._check_release(td), "check-release")
 
     def resync(self) -> None:
         """Periodic full look: claims still allocated (released first, so that a claim re-created under an
@@ -403,25 +438,31 @@ class Agent:
             self._sync_claims(self.cluster.list_claims())
             self._claims_listed = time.monotonic()
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
-        self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
-        self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
+        with self._lock:
+            self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
+            self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
 
     # ---------------------------------------------------------------- the loop
 
     def tick(self) -> float:
         """Advances every teardown as far as it can go now; returns seconds until work is next due."""
         self._last_tick = time.monotonic()
+        if self._lanes is not None:
+            self._lanes.raise_fatal()
         self._take_rescrub_requests()
-        for td in list(self.store.teardowns.values()):
-            self._guarded(td, lambda td=td: self.engine.advance(td))
-        self._api_retry = {uid: r for uid, r in self._api_retry.items() if uid in self.store.teardowns}
+        for td in self._teardowns():
+            # With lanes, only what has work now: a tick comes after every batch of events.
+            if self._lanes is None or not (self._lanes.busy(td.claim.uid) or self.engine.waiting(td)):
+                self._submit(td, lambda td=td: self.engine.advance(td), "advance")
+        with self._lock:
+            self._api_retry = {uid: r for uid, r in self._api_retry.items() if uid in self.store.teardowns}
         return self._next_due()
 
     def _next_due(self) -> float:
         now = self.clock()
         due = [self.settings.resync_s]
-        for uid, td in self.store.teardowns.items():
-            backoff = self._api_retry.get(uid)
+        for td in self._teardowns():
+            backoff = self._api_retry.get(td.claim.uid)
             if backoff is not None and backoff[0] > now:
                 due.append(backoff[0] - now)  # nothing happens to it before then
             elif td.state == State.DRAINING:
@@ -431,6 +472,14 @@ class Agent:
             elif td.state == State.FAILED and self.settings.rescrub_dir is not None:
                 due.append(RESCRUB_POLL_S)  # waiting for an operator: pick up `agent rescrub` promptly
         return max(min(due), 0.0)
+
+    def _submit(self, td: Teardown, action: Callable[[], object], tag: str | None = None) -> None:
+        """Runs `action` for `td` (guarded) in the claim's lane, after what was handed in for it before; without
+        lanes, here and now. A tagged action already waiting in the lane is not handed in twice."""
+        if self._lanes is None:
+            self._guarded(td, action)
+        else:
+            self._lanes.submit(td.claim.uid, lambda: self._guarded(td, action), tag)
 
     def _guarded(self, td: Teardown, action: Callable[[], object]) -> None:
         """Runs `action` for `td` unless it is backing off after an API error; API errors start a backoff."""
@@ -442,12 +491,14 @@ class Agent:
         except ClusterError as exc:
             self._backoff(td, exc)
         else:
-            self._api_retry.pop(td.claim.uid, None)
+            with self._lock:
+                self._api_retry.pop(td.claim.uid, None)
 
     def _backoff(self, td: Teardown, exc: ClusterError) -> None:
-        last = self._api_retry.get(td.claim.uid, (0.0, 0.0))[1]
-        delay = min(last * 2 or self.settings.api_backoff_s, self.settings.api_backoff_max_s)
-        self._api_retry[td.claim.uid] = (self.clock() + delay, delay)
+        with self._lock:
+            last = self._api_retry.get(td.claim.uid, (0.0, 0.0))[1]
+            delay = min(last * 2 or self.settings.api_backoff_s, self.settings.api_backoff_max_s)
+            self._api_retry[td.claim.uid] = (self.clock() + delay, delay)
         log.warning("claim %s (%s): API error, retrying in %.0fs: %s", td.claim, td.state.value, delay, exc)
 
     def _take_rescrub_requests(self) -> None:
@@ -455,17 +506,16 @@ class Agent:
             return
         for path, device in rescrub.pending(self.settings.rescrub_dir):
             matched = [
-                td
-                for td in self.store.teardowns.values()
-                if device and td.state == State.FAILED and rescrub.matches(td, device)
+                td for td in self._teardowns() if device and td.state == State.FAILED and rescrub.matches(td, device)
             ]
             if not matched:
                 log.warning(
                     "rescrub request %s (%s) matches no failed device on node %s; discarded", path, device, self.node
                 )
             for td in matched:
-                self._api_retry.pop(td.claim.uid, None)
-                self._guarded(td, lambda td=td: self.engine.rescrub(td))
+                with self._lock:
+                    self._api_retry.pop(td.claim.uid, None)
+                self._submit(td, lambda td=td: self.engine.rescrub(td))
             path.unlink(missing_ok=True)
 
     def healthy(self) -> tuple[bool, str]:
@@ -477,8 +527,27 @@ class Agent:
         fenced, failed = self.engine.fenced_devices()
         return True, f"ok: {len(self.store.teardowns)} teardown(s), {fenced} device(s) fenced, {failed} failed"
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Waits until the lanes have nothing left to do now; False on timeout."""
+        return self._lanes is None or self._lanes.wait_idle(timeout)
+
+    def close(self) -> None:
+        """Lets the lanes finish what they are doing (a step under way ends in a checkpointed state)."""
+        if self._sight_pool is not None:
+            self._sight_pool.shutdown(wait=True)
+        if self._lanes is not None:
+            self._lanes.close()
+        if self._fence_pool is not None:
+            self._fence_pool.shutdown(wait=True)
+
     def run(self, stop: threading.Event) -> None:
         """start(), then watch and tick until `stop` is set."""
+        try:
+            self._run(stop)
+        finally:
+            self.close()
+
+    def _run(self, stop: threading.Event) -> None:
         self.start()
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
         threading.Thread(target=self._watch, args=(events, stop), name="agent-watch", daemon=True).start()
@@ -487,19 +556,49 @@ class Agent:
         next_resync = time.monotonic() + self.settings.resync_s
         while not stop.is_set():
             wait = min(self.tick(), max(next_resync - time.monotonic(), 0.0))
+            batch: list[tuple[str, Any]] = []
             try:
-                item = events.get(timeout=wait)
+                batch.append(events.get(timeout=wait))
                 while True:
-                    self._handle(item)
-                    item = events.get_nowait()
+                    batch.append(events.get_nowait())
             except queue.Empty:
                 pass
+            self.observe_batch(batch)
             if time.monotonic() >= next_resync:
                 try:
                     self.resync()
                 except ClusterError as exc:
                     log.warning("resync of node %s failed: %s", self.node, exc)
                 next_resync = time.monotonic() + self.settings.resync_s
+
+    def observe_batch(self, batch: list[tuple[str, Any]]) -> None:
+        """Watch events that came together, handled in order, after the claims of running pods among them that
+        the agent has not seen yet are read and fenced side by side (with lanes): a burst of allocations is
+        fenced in a few API round trips, not one claim after the other."""
+        if self._sight_pool is not None:
+            unseen = {
+                (namespace, name): None
+                for kind, payload in batch
+                for pod in (payload if kind == "LIST" else [payload] if kind in ("ADDED", "MODIFIED") else [])
+                if not pod_finished(pod)
+                for namespace in [(pod.get("metadata") or {}).get("namespace") or ""]
+                for name in pod_claim_names(pod)
+                if self._find(namespace, name) is None
+            }
+            if len(unseen) > 1:
+                list(self._sight_pool.map(lambda key: self._first_sight(*key), unseen))
+        for item in batch:
+            self._handle(item)
+
+    def _first_sight(self, namespace: str, name: str) -> None:
+        """What `observe_pod` does for a running pod's claim that the agent has not seen."""
+        try:
+            claim = self.cluster.get_claim(namespace, name)
+        except ClusterError:
+            return  # the event's own handling asks again
+        td = self._track(claim) if claim is not None else None
+        if td is not None:
+            self._submit(td, lambda: self._check_release(td, claim))
 
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item

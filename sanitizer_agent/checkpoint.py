@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -139,11 +140,19 @@ class CheckpointFile(_Model):
 
 
 class CheckpointStore:
-    """The checkpoint file and its in-memory copy; `save()` persists the whole copy atomically."""
+    """The checkpoint file and its in-memory copy; `save()` persists the whole copy atomically.
+
+    Threads that change teardowns hold `lock` while they change them, so that a write never catches a
+    transition half made; saves asked for at the same time share one write (and its fsyncs)."""
 
     def __init__(self, path: Path | str, node: str) -> None:
         self.path = Path(path)
         self.data = CheckpointFile(version=VERSION, node=node)
+        self.lock = threading.RLock()
+        self._writes = threading.Condition()
+        self._asked = 0  # saves asked for so far
+        self._written = 0  # of those, how many a finished write covers
+        self._writing = False
 
     @property
     def teardowns(self) -> dict[str, Teardown]:
@@ -154,7 +163,27 @@ class CheckpointStore:
         self.data = read(self.path, expect_node=self.data.node) or CheckpointFile(version=VERSION, node=self.data.node)
 
     def save(self) -> None:
-        write_atomic(self.path, self.data.model_dump_json(indent=1).encode())
+        """Returns once a write that began after this call has finished: what the caller changed before is on
+        disk. While one write runs, the saves asked for meanwhile wait and share the next one."""
+        with self._writes:
+            self._asked += 1
+            mine = self._asked
+            while self._written < mine:
+                if self._writing:
+                    self._writes.wait()
+                    continue
+                self._writing = True
+                covers = self._asked
+                self._writes.release()
+                try:
+                    with self.lock:
+                        content = self.data.model_dump_json(indent=1).encode()
+                    write_atomic(self.path, content)
+                finally:
+                    self._writes.acquire()
+                    self._writing = False
+                    self._writes.notify_all()
+                self._written = covers  # reached only when the write succeeded
 
 
 def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:

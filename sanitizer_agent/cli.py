@@ -22,6 +22,13 @@ DEFAULT_SIGNING_KEY = "/etc/scrubgate/attestation/key.pem"
 DEFAULT_KEY_ID = "scrubgate-agent"
 
 
+def _workers(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 256:
+        raise argparse.ArgumentTypeError(f"{value}: give 0 to 256 teardowns at once")
+    return number
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default: $NODE_NAME)")
     parser.add_argument("--gpu-backend", choices=("nvml", "simulated"), default="nvml")
@@ -54,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds between lists of all ResourceClaims (besides at start), for claims whose pods this agent "
         "never saw; each list reads every claim in the cluster",
+    )
+    parser.add_argument(
+        "--max-concurrent-teardowns",
+        type=_workers,
+        default=16,
+        help="claims torn down at once (drain, scrub, attestation, API writes), each in a thread; fencing new "
+        "allocations never waits for them (default 8; 0: one step at a time in the agent's loop)",
     )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="agent_command", metavar="{status,rescrub}")
@@ -184,7 +198,8 @@ def _run_agent(args: argparse.Namespace) -> int:
             }
         )
         backend = open_backend(args.gpu_backend, **options)
-        cluster = KubernetesClusterClient.from_config(args.kubeconfig)
+        # Each lane, the loop and the pod watch may call the API at once.
+        cluster = KubernetesClusterClient.from_config(args.kubeconfig, args.max_concurrent_teardowns + 2)
     except Exception as exc:  # GpuError, OSError, and the kubernetes config loaders' own types
         log.critical("cannot start the agent on node %s: %s", args.node, exc)
         return 1
@@ -203,6 +218,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         rescrub_dir=request_dir(checkpoint),
         resync_s=args.resync,
         claim_resync_s=args.claim_resync,
+        max_concurrent_teardowns=args.max_concurrent_teardowns,
     )
     metrics = AgentMetrics()
     agent = Agent(

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from scrubgate.policies import names
@@ -52,6 +53,9 @@ class Fencer:
         self.node = node
         self.rule_version = rule_version
         self.metrics = metrics
+        # Weak mode: whether the node taint may go is decided from the other teardowns' states; teardowns
+        # running side by side decide and taint one at a time, so that none lifts a taint another just needed.
+        self._node_taint = threading.RLock()
         metrics.weak_fence.set(0 if rule_version else 1)
         if rule_version is None:
             log.error(
@@ -62,6 +66,12 @@ class Fencer:
                 node,
                 names.TAINT_UNSANITIZED,
             )
+
+    def each(self, call: Callable[[Any], object], items: Iterable[Any]) -> None:
+        """`call` for every item (a fence of each device), one after the other; the agent's lanes make it
+        side by side (`Agent.start`)."""
+        for item in items:
+            call(item)
 
     @property
     def weak(self) -> bool:
@@ -86,11 +96,15 @@ class Fencer:
     def fence(self, td: Teardown, tearing_down: bool) -> None:
         """Ensures the unsanitized fence: a rule per fenced device, or (weak mode, during teardown) the node taint."""
         if self.rule_version:
-            for device in td.fenced():
-                body = self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
-                self.cluster.create_device_taint_rule(self.rule_version, body)
+            self.each(
+                lambda device: self.cluster.create_device_taint_rule(
+                    self.rule_version, self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
+                ),
+                td.fenced(),
+            )
         elif tearing_down:
-            self._ensure_node_taint(names.TAINT_UNSANITIZED)
+            with self._node_taint:
+                self._ensure_node_taint(names.TAINT_UNSANITIZED)
 
     def mark_failed(self, td: Teardown, reason: str) -> None:
         """Adds the scrub-failed taint next to the unsanitized one (which stays)."""
@@ -100,7 +114,8 @@ class Fencer:
                 body = self._rule(td, device.failed_rule, device, names.TAINT_SCRUB_FAILED, reason)
                 self.cluster.create_device_taint_rule(self.rule_version, body)
         else:
-            self._ensure_node_taint(names.TAINT_SCRUB_FAILED)
+            with self._node_taint:
+                self._ensure_node_taint(names.TAINT_SCRUB_FAILED)
 
     def lift(self, td: Teardown, others: Iterable[Teardown]) -> None:
         """Deletes this teardown's fences, and only those: call it only after a verified scrub.
@@ -109,14 +124,16 @@ class Fencer:
             if td.attempts:  # it failed at some point: scrub-failed rules may exist
                 for device in td.devices:
                     self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
-            for fenced in td.fenced():
-                self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule)
+            self.each(
+                lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule), td.fenced()
+            )
             return
-        others = [o for o in others if o.claim.uid != td.claim.uid]
-        if not any(o.state == State.FAILED for o in others):
-            self._remove_node_taint(names.TAINT_SCRUB_FAILED)
-        if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
-            self._remove_node_taint(names.TAINT_UNSANITIZED)
+        with self._node_taint:
+            others = [o for o in others if o.claim.uid != td.claim.uid]
+            if not any(o.state == State.FAILED for o in others):
+                self._remove_node_taint(names.TAINT_SCRUB_FAILED)
+            if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
+                self._remove_node_taint(names.TAINT_UNSANITIZED)
 
     # ---------------------------------------------------------------- node taint (weak fence)
 

@@ -162,13 +162,18 @@ class KubernetesClusterClient:
         self._versions: dict[str, str | None] = {}
 
     @classmethod
-    def from_config(cls, kubeconfig: str | None = None) -> KubernetesClusterClient:
+    def from_config(cls, kubeconfig: str | None = None, connections: int | None = None) -> KubernetesClusterClient:
+        """`connections`: API calls made at once (the agent's lanes); kept open, not reopened per call."""
         from kubernetes import client, config
 
         if kubeconfig:
-            return cls(config.new_client_from_config(config_file=kubeconfig))
-        configuration = client.Configuration()
-        config.load_incluster_config(client_configuration=configuration)
+            configuration = type.__call__(client.Configuration)  # as new_client_from_config: not the shared default
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            configuration = client.Configuration()
+            config.load_incluster_config(client_configuration=configuration)
+        if connections is not None:
+            configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize, connections)
         return cls(client.ApiClient(configuration))
 
     # ------------------------------------------------------------------ transport

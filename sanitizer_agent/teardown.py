@@ -15,9 +15,11 @@ the checkpoint before any of them is fenced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -150,6 +152,11 @@ class TeardownEngine:
         self._fenced: dict[str, bool] = {}  # claim UID -> fenced for teardown (True) or allocation (False)
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
+        # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
+        # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
+        self.schedule: Callable[[Teardown], None] = self.advance
+        self._scrubbing: dict[str, threading.Lock] = {}  # what `_scrub_of` keys a device by -> held meanwhile
+        self._scrubbing_lock = threading.Lock()
 
     # ---------------------------------------------------------------- entry points
 
@@ -185,7 +192,8 @@ class TeardownEngine:
             source=source,
             allocated_at=allocated_at,
         )
-        self.store.teardowns[claim.uid] = td
+        with self.store.lock:
+            self.store.teardowns[claim.uid] = td
         log.info("claim %s: allocated %s on %s; fencing", claim, ", ".join(d.key for d in records), self.node)
         if td.overlaps:
             log.info(
@@ -194,26 +202,33 @@ class TeardownEngine:
                 ", ".join(o.key for o in td.overlaps),
             )
         self._commit(td)
-        self.advance(td)
+        self.ensure_fenced(td)
+        self.schedule(td)
         return td
 
     def cover_overlaps(self, td: Teardown, slices: Mapping[DeviceKey, SliceDevice]) -> None:
         """Fences, for a teardown that may still be dirty, the devices of `slices` sharing memory with its
         own that it does not fence yet (the slices were unknown at first sight, or have changed since);
         checkpointed first. Fences are only ever added here: a device drops out with the teardown."""
-        if td.state not in FENCED_STATES:
-            return
-        known = {o.key for o in td.overlaps}
-        added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+        with self.store.lock:  # the claim's lane may be moving it on meanwhile
+            if td.state not in FENCED_STATES:
+                return
+            known = {o.key for o in td.overlaps}
+            added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+            if added:
+                td.overlaps = [*td.overlaps, *added]
         if not added:
             return
         log.warning(
             "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
         )
-        td.overlaps = [*td.overlaps, *added]
         self._save()
-        self._fenced.pop(td.claim.uid, None)
-        self.ensure_fenced(td)
+        # Under the lock: an unfence (a transition, then the lift) cannot slip in between, or it could lift the
+        # fences before these go up and leave them standing.
+        with self.store.lock:
+            if td.state in FENCED_STATES:
+                self._fenced.pop(td.claim.uid, None)
+                self.ensure_fenced(td)
 
     def release(self, td: Teardown, reason: str, consumers: list[tuple[str, str]] | None = None) -> None:
         """The claim no longer holds its devices; `consumers` are the pods it was reserved for (the attestation
@@ -224,7 +239,7 @@ class TeardownEngine:
         self._transition(
             td, State.RELEASED, released_at=self.clock(), release_reason=reason, consumers=list(consumers or [])
         )
-        self.advance(td)
+        self.schedule(td)
 
     def rescrub(self, td: Teardown) -> bool:
         """An operator asked for another attempt at a failed teardown."""
@@ -233,7 +248,7 @@ class TeardownEngine:
         log.warning("claim %s: operator asked for another teardown attempt (last failure: %s)", td.claim, td.reason)
         # One more attempt: `attempts` keeps counting, so another failure waits for the operator again.
         self._transition(td, State.DRAINING, **self._drain_fields())
-        self.advance(td)
+        self.schedule(td)
         return True
 
     def advance(self, td: Teardown) -> None:
@@ -247,6 +262,16 @@ class TeardownEngine:
                 return
             state, changes = outcome
             self._transition(td, state, **changes)
+
+    def waiting(self, td: Teardown) -> bool:
+        """Whether `advance` has nothing to do for `td` until something happens to it: allocated, fenced and
+        announced (until its release), or failed and reported with no retry due (until an operator acts)."""
+        uid = td.claim.uid
+        if td.state == State.ALLOCATED:
+            return uid in self._fenced and uid in self._status
+        if td.state == State.FAILED:
+            return td.failure_reported and (td.retry_at is None or self.clock() < td.retry_at)
+        return False
 
     def fenced_devices(self) -> tuple[int, int]:
         """(devices under a fence, devices failed)."""
@@ -272,13 +297,15 @@ class TeardownEngine:
             self.on_transition(td, td.state)
 
     def _transition(self, td: Teardown, state: State, **changes: Any) -> None:
-        for key, value in changes.items():
-            setattr(td, key, value)
-        td.state = state
+        with self.store.lock:  # a checkpoint write sees the whole transition or none of it
+            for key, value in changes.items():
+                setattr(td, key, value)
+            td.state = state
         self._commit(td)
 
     def _forget(self, td: Teardown) -> None:
-        del self.store.teardowns[td.claim.uid]
+        with self.store.lock:
+            del self.store.teardowns[td.claim.uid]
         self._fenced.pop(td.claim.uid, None)
         self._status.pop(td.claim.uid, None)
         self._claims.pop(td.claim.uid, None)
@@ -406,7 +433,7 @@ class TeardownEngine:
 
     def _on_released(self, td: Teardown) -> Outcome:
         # A device that another claim still holds (shared) cannot be drained yet: wait for that claim.
-        for other in self.store.teardowns.values():
+        for other in list(self.store.teardowns.values()):
             if other is not td and other.state == State.ALLOCATED and any(other.holds(d.key) for d in td.devices):
                 return None
         return State.DRAINING, self._drain_fields()
@@ -433,6 +460,17 @@ class TeardownEngine:
             )
         return None  # poll again
 
+    @contextlib.contextmanager
+    def _scrub_of(self, device: DeviceRecord) -> Iterator[None]:
+        """One scrub at a time per device (two teardowns of one device: a shared claim). Devices with UUIDs of
+        their own, MIG slices of one GPU among them, are scrubbed side by side, as MIG isolates them; dynamic
+        MIG placements one at a time per GPU, since scrubbing one creates a GPU instance on it."""
+        key = device.placement.parent_uuid if device.placement is not None else device.uuid or device.key
+        with self._scrubbing_lock:
+            lock = self._scrubbing.setdefault(key, threading.Lock())
+        with lock:
+            yield
+
     def _on_scrubbing(self, td: Teardown) -> Outcome:
         self._announce(td, names.SCRUB_SCRUBBING)
         started = self.clock()
@@ -445,7 +483,8 @@ class TeardownEngine:
                     f"{device.key} has no uuid attribute in this node's ResourceSlices; cannot tell which GPU to scrub",
                 )
             try:
-                result = scrub_device(self.backend, device)
+                with self._scrub_of(device):
+                    result = scrub_device(self.backend, device)
             except GpuError as exc:
                 return self._fail(td, "gpu-error", f"cannot reach {device.key} ({device.uuid}) to scrub it: {exc}")
             self.metrics.scrub_duration.observe(result.duration_s)
@@ -515,7 +554,7 @@ class TeardownEngine:
 
     def _on_unfenced(self, td: Teardown) -> Outcome:
         # Only reachable through a verified scrub and a signed attestation (see the module docstring).
-        self.fencer.lift(td, self.store.teardowns.values())
+        self.fencer.lift(td, list(self.store.teardowns.values()))
         if td.released_at is not None:
             scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
             self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
@@ -546,7 +585,8 @@ class TeardownEngine:
                 f"(attempt {td.attempts}): {td.reason}; devices stay fenced, {next_step}",
             )
             self.metrics.failures.labels(reason=label_value(category)).inc()
-            td.failure_reported = True
+            with self.store.lock:
+                td.failure_reported = True
             self.store.save()
         if td.retry_at is not None and self.clock() >= td.retry_at:
             log.info("claim %s: retrying teardown (attempt %d)", td.claim, td.attempts + 1)

@@ -8,18 +8,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from scrubgate.policies.config import PolicyConfig
-from scrubgate.policies.engine import Finding, shared_claims, validate
-from scrubgate.policies.model import as_dict, as_str, kind_of
+from scrubgate.policies.engine import shared_claims, validate
 
-from .sources import Document, InputError, display_name, expand_paths, read_documents, read_text
+from .reading import CheckedObject, namespace_of, read_all, trusted_namespaces
+from .sources import Document, InputError, expand_paths
 
-DEFAULT_NAMESPACE = "default"
-
-
-@dataclass(slots=True)
-class CheckedObject:
-    document: Document
-    findings: list[Finding]
+__all__ = ["CheckResult", "CheckedObject", "check_documents", "run_check"]
 
 
 @dataclass(slots=True)
@@ -39,34 +33,28 @@ class CheckResult:
         return 1 if self.count("deny") else 0
 
 
-def namespace_of(obj: Mapping[str, object]) -> str:
-    return as_str(as_dict(obj.get("metadata")).get("namespace")) or DEFAULT_NAMESPACE
-
-
-def trusted_namespaces(documents: list[Document], policy: PolicyConfig, overrides: Mapping[str, bool]) -> set[str]:
-    """Policy's trusted namespaces, plus Namespace documents labelled trusted, then the command line's say."""
-    trusted = set(policy.tenancy.trusted_namespaces)
-    for doc in documents:
-        if kind_of(doc.obj) == ("v1", "Namespace"):
-            meta = as_dict(doc.obj.get("metadata"))
-            if as_dict(meta.get("labels")).get(policy.tenancy.label) == policy.tenancy.trusted_value:
-                trusted.add(as_str(meta.get("name")))
-    for namespace, is_trusted in overrides.items():
-        (trusted.add if is_trusted else trusted.discard)(namespace)
-    return trusted
-
-
 def check_documents(
-    documents: list[Document], policy: PolicyConfig, overrides: Mapping[str, bool] | None = None
+    documents: list[Document],
+    policy: PolicyConfig,
+    overrides: Mapping[str, bool] | None = None,
+    checked: list[CheckedObject] | None = None,
 ) -> list[CheckedObject]:
+    """Findings for every document. `checked` holds documents already validated as they were read, under the
+    tenancy known then; one whose namespace turned out otherwise (a Namespace document read after it) is
+    validated again."""
     trusted = trusted_namespaces(documents, policy, overrides or {})
-    checked = []
+    done = {id(c.document): c for c in checked or ()}
+    out = []
     for doc in documents:
-        checked.append(CheckedObject(doc, validate(doc.obj, policy, trusted=namespace_of(doc.obj) in trusted)))
-    keyed = ((i, c.document.obj, namespace_of(c.document.obj) in trusted) for i, c in enumerate(checked))
+        is_trusted = namespace_of(doc.obj) in trusted
+        found = done.get(id(doc))
+        if found is None or found.trusted != is_trusted:
+            found = CheckedObject(doc, validate(doc.obj, policy, trusted=is_trusted), is_trusted)
+        out.append(found)
+    keyed = ((i, c.document.obj, c.trusted) for i, c in enumerate(out))
     for index, finding in shared_claims(keyed, policy):
-        checked[index].findings.append(finding)
-    return checked
+        out[index].findings.append(finding)
+    return out
 
 
 @contextmanager
@@ -93,27 +81,10 @@ def run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bo
 def _run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None) -> CheckResult:
     result = CheckResult()
     files, result.errors = expand_paths(paths)
-    documents: list[Document] = []
-    for file in files:
-        text = read_text(file)
-        result.files += 1
-        if isinstance(text, InputError):
-            result.errors.append(text)
-            continue
-        docs, errors = read_documents(display_name(file), text)
-        documents += [d for d in docs if not _kind_without_api_version(d)]
-        result.errors += errors + [_missing_api_version(d) for d in docs if _kind_without_api_version(d)]
-    result.objects = check_documents(documents, policy, overrides)
+    checked: list[CheckedObject] = []
+    for part in read_all(files, policy, overrides or {}):
+        result.files += part.files
+        result.errors += part.errors
+        checked += part.checked
+    result.objects = check_documents([c.document for c in checked], policy, overrides, checked)
     return result
-
-
-def _kind_without_api_version(doc: Document) -> bool:
-    return "kind" in doc.obj and doc.obj.get("apiVersion") in (None, "")
-
-
-def _missing_api_version(doc: Document) -> InputError:
-    """kubectl refuses an object without apiVersion; passing over it in silence would check less than is applied."""
-    where = f"items[{doc.prefix[-1]}] of document {doc.index}" if doc.prefix else f"document {doc.index}"
-    return InputError(
-        doc.file, doc.line_of(""), f"{where} has kind {doc.obj.get('kind')!r} but no apiVersion: add its apiVersion"
-    )

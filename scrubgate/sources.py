@@ -1,20 +1,23 @@
 """Reading manifests for `scrubgate check`: files, directories, stdin; multi-document YAML, JSON and
 `kind: List`, each object with where it is in the text, which gives its findings a line number.
 
-PyYAML's libyaml loader parses; each document keeps where it is in the text, and its node tree is parsed
-again to turn a finding's JSON pointer into a line only when there is a finding (most objects have none).
+PyYAML's libyaml loader parses. A reader that checks documents as they are read (`scrubgate check`) locates
+the findings of each document while its node tree is at hand (`settle`), and the tree is then let go: keeping
+every document's tree would cost four times the memory. A line asked for later is found by parsing the
+document's text again.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import yaml
 
@@ -25,28 +28,51 @@ except ImportError:  # libyaml missing: correct, only slower
 
 
 class _Loader(_SafeLoader):
-    """The safe loader minus work that cannot change its result: a plain scalar's tag is resolved once per
-    distinct short value, and the path bookkeeping that only path resolvers (the safe loader has none) use
-    is skipped. About a tenth of the parse time."""
+    """The safe loader minus work that cannot change its result. A node without an explicit tag is tagged
+    with `slice(kind, value, implicit)`, the arguments of PyYAML's `resolve`, and its tag is resolved when the
+    node is read (`_tag`): the composer (C in libyaml's loader) then calls no Python code per node, which was
+    a third of the parse time. The path bookkeeping that only path resolvers (the safe loader has none) use
+    is skipped."""
 
-    _tags: ClassVar[dict[tuple[str, tuple[bool, bool]], str]] = {}
+    resolve = slice  # type: ignore[assignment]
+    # Nothing to do, called twice per node: C callables of the same arguments cost a fifth of a Python no-op.
+    descend_resolver = slice  # type: ignore[assignment]
+    ascend_resolver = tuple  # type: ignore[assignment]
 
-    def resolve(self, kind: type[yaml.Node], value: Any, implicit: Any) -> str:
-        if kind is not yaml.ScalarNode or len(value) > 64:
-            return super().resolve(kind, value, implicit)
-        key = (value, implicit)
-        tag = self._tags.get(key)
-        if tag is None:
-            tag = super().resolve(kind, value, implicit)
-            if len(self._tags) < 100_000:
-                self._tags[key] = tag
+
+_resolver = yaml.resolver.Resolver()
+_PLAIN_TAGS: dict[str, str] = {}  # a plain scalar's tag, for each distinct short value
+
+
+def _tag(node: yaml.Node) -> str:
+    """The node's tag as PyYAML's safe loader resolves it."""
+    tag = node.tag
+    if tag.__class__ is not slice:
         return tag
+    kind, value, implicit = tag.start, tag.stop, tag.step
+    if kind is not yaml.ScalarNode or not implicit[0]:
+        return _resolver.resolve(kind, value, implicit)  # no regular expression runs: the default tag
+    resolved = _PLAIN_TAGS.get(value)
+    if resolved is None:
+        resolved = _resolver.resolve(kind, value, implicit)
+        if len(value) <= 64 and len(_PLAIN_TAGS) < 100_000:
+            _PLAIN_TAGS[value] = resolved
+    return resolved
 
-    def descend_resolver(self, current_node: Any, current_index: Any) -> None:
-        pass
 
-    def ascend_resolver(self) -> None:
-        pass
+def _resolve_tree(node: yaml.Node, seen: set[int]) -> None:
+    """Resolves every tag of the tree, for PyYAML's own constructor."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    node.tag = _tag(node)
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _resolve_tree(item, seen)
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            _resolve_tree(key, seen)
+            _resolve_tree(value, seen)
 
 
 assert not _Loader.yaml_path_resolvers, "the shortcuts above assume no path resolvers"
@@ -85,20 +111,30 @@ class Document:
     span: Span | None  # None: read as JSON, no line numbers below the top
     prefix: tuple[str | int, ...] = ()  # path of the object inside the document (items/N for List items)
     text: str | None = field(default=None, repr=False)  # the file text, for line numbers and --fix
+    node: yaml.Node | None = field(default=None, repr=False, compare=False)  # its tree, only while it is read
+    lines: dict[str, int] | None = field(default=None, repr=False, compare=False)  # pointers located then
 
-    def _top_node(self) -> yaml.Node | None:
-        if self.span is None or self.text is None:
-            return None
-        return _node_tree(self.text, self.span.start, self.span.end)
+    def locate(self, json_pointers: Iterable[str]) -> None:
+        """Finds the lines of `json_pointers` now, from the node tree of the first parse, for `line_of`."""
+        if self.node is not None:
+            self.lines = {p: self._line_in(self.node, p) for p in json_pointers}
 
     def line_of(self, json_pointer: str) -> int:
         """The 1-based line of the deepest node on `json_pointer` that exists (a missing field is reported
         on its parent's line)."""
-        first = self.span.line if self.span is not None else 0
-        node = self._top_node()
+        if self.lines is not None and json_pointer in self.lines:
+            return self.lines[json_pointer]
+        node = self.node
+        if node is None and self.span is not None and self.text is not None:
+            node = _node_tree(self.text, self.span.start, self.span.end)
         if node is None:
-            return first + 1
-        line = node.start_mark.line
+            return (self.span.line if self.span is not None else 0) + 1
+        return self._line_in(node, json_pointer)
+
+    def _line_in(self, top: yaml.Node, json_pointer: str) -> int:
+        """The line of `json_pointer` below `top`, the document's node (from any parse of it: lines are
+        counted from its own)."""
+        node, line = top, top.start_mark.line
         for part in [*self.prefix, *_split_pointer(json_pointer)]:
             if isinstance(node, yaml.MappingNode):
                 for key, value in node.value:
@@ -112,14 +148,15 @@ class Document:
                 line = node.start_mark.line
             else:
                 break
-        return first + line + 1
+        assert self.span is not None  # a node comes from YAML, which has a span
+        return self.span.line + line - top.start_mark.line + 1
 
 
 @functools.lru_cache(maxsize=8)
 def _node_tree(text: str, start: int, end: int) -> yaml.Node | None:
-    """The YAML node tree of text[start:end], parsed again. Keeping every document's tree from the first parse
-    would cost four times the memory, for the few documents that have findings; a document's findings are
-    located one after the other, so a small cache parses each once."""
+    """The YAML node tree of text[start:end], parsed again, for a line not located while the document was read
+    (rare: a finding across documents). A document's findings are located one after the other, so a small
+    cache parses each once."""
     loader = _Loader(text[start:end])
     try:
         return loader.get_node() if loader.check_node() else None
@@ -148,7 +185,9 @@ def _yaml_error(file: str, exc: yaml.YAMLError, chunk: str, line_offset: int) ->
     return InputError(file, line, message)
 
 
-Parsed = tuple[Any, Span | None]  # a document's data and where it is; (None, None) for one that cannot be read
+Parsed = tuple[Any, Span | None, yaml.Node | None]  # a document's data, where it is and its node tree;
+# (None, None, None) for one that cannot be read
+Settle = Callable[["Document"], None]  # told of each document while its node tree is at hand
 
 _TAG = "tag:yaml.org,2002:"
 _STR, _MAP, _SEQ = _TAG + "str", _TAG + "map", _TAG + "seq"
@@ -159,17 +198,27 @@ class _Unusual(Exception):
     """A node the shortcut in `_construct` leaves to PyYAML's constructor."""
 
 
-def _construct(loader: _Loader, document: yaml.Node) -> Any:
+def _construct(loader: _Loader, document: yaml.Node, anchors: bool) -> Any:
     """What `loader.construct_document(document)` returns, three times as fast for what manifests are made of
     (string-keyed mappings, sequences, plain scalars). Anchors, merge keys, other tags or keys are left to
     PyYAML's constructor. A scalar that its tag's constructor cannot read (`2025-02-30` resolves to a date)
     is a ConstructorError on its line, not a crash."""
     constructors = loader.yaml_constructors
-    seen: set[int] = set()
+    seen: set[int] | None = set() if anchors else None  # without anchors there is no alias to look for
+    scalar, mapping_node, sequence_node, plain_tag = (
+        yaml.ScalarNode,
+        yaml.MappingNode,
+        yaml.SequenceNode,
+        _PLAIN_TAGS.get,
+    )
 
     def build(node: yaml.Node) -> Any:
         cls, tag = node.__class__, node.tag
-        if cls is yaml.ScalarNode:
+        if cls is scalar:
+            if tag.__class__ is slice:
+                if not tag.step[0]:  # quoted or a block scalar, without a tag: a string
+                    return node.value
+                tag = plain_tag(node.value) or _tag(node)
             if tag == _STR:
                 return node.value
             if tag not in _SCALAR_TAGS:
@@ -180,17 +229,25 @@ def _construct(loader: _Loader, document: yaml.Node) -> Any:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"cannot read {node.value!r} as {tag.removeprefix(_TAG)}: {exc}", node.start_mark
                 ) from None
-        if id(node) in seen:  # an alias: PyYAML shares the object
-            raise _Unusual
-        seen.add(id(node))
-        if cls is yaml.MappingNode and tag == _MAP:
+        if seen is not None:
+            if id(node) in seen:  # an alias: PyYAML shares the object
+                raise _Unusual
+            seen.add(id(node))
+        implicit = tag.__class__ is slice  # a collection without a tag: a plain map or sequence
+        if cls is mapping_node and (implicit or tag == _MAP):
             mapping = {}
             for key, value in node.value:
-                if key.__class__ is not yaml.ScalarNode or key.tag != _STR:  # also merge keys (<<)
+                if key.__class__ is not scalar:
+                    raise _Unusual
+                key_tag = key.tag
+                if key_tag.__class__ is slice:
+                    if key_tag.step[0] and (plain_tag(key.value) or _tag(key)) != _STR:  # also merge keys (<<)
+                        raise _Unusual
+                elif key_tag != _STR:
                     raise _Unusual
                 mapping[key.value] = build(value)
             return mapping
-        if cls is yaml.SequenceNode and tag == _SEQ:
+        if cls is sequence_node and (implicit or tag == _SEQ):
             return [build(item) for item in node.value]
         raise _Unusual
 
@@ -198,6 +255,7 @@ def _construct(loader: _Loader, document: yaml.Node) -> Any:
         return build(document)
     except _Unusual:
         pass
+    _resolve_tree(document, set())
     try:
         return loader.construct_document(document)
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
@@ -209,24 +267,21 @@ def _construct(loader: _Loader, document: yaml.Node) -> Any:
 def _parse_chunk(chunk: str, begin: int, line_offset: int) -> Iterator[Parsed]:
     """The documents of `chunk`, which starts at character `begin` and line `line_offset` of its file."""
     loader = _Loader(chunk)
+    anchors = "&" in chunk
     try:
         while loader.check_node():
             node = loader.get_node()
             mark = node.start_mark
             span = Span(begin + mark.index - mark.column, begin + node.end_mark.index, line_offset + mark.line)
-            yield _construct(loader, node), span
+            yield _construct(loader, node, anchors), span, node
     finally:
         loader.dispose()
 
 
-def _parse(file: str, text: str) -> tuple[list[Parsed], list[InputError]]:
-    """(data, span) per document. A syntax error loses only the document it is in: the file is then parsed
-    again document by document, and a document that cannot be read keeps its place (as an empty one) so
-    that the documents after it keep their index."""
-    try:
-        return list(_parse_chunk(text, 0, 0)), []
-    except (yaml.YAMLError, RecursionError):
-        pass
+def _parse_by_document(file: str, text: str) -> tuple[list[Parsed], list[InputError]]:
+    """After a syntax error: the file parsed again document by document, so that the error loses only the
+    document it is in; a document that cannot be read keeps its place (as an empty one) so that the documents
+    after it keep their index."""
     documents: list[Parsed] = []
     errors: list[InputError] = []
     starts = [0] + [m.start() for m in _DOCUMENT_START.finditer(text) if m.start() > 0]
@@ -237,29 +292,44 @@ def _parse(file: str, text: str) -> tuple[list[Parsed], list[InputError]]:
             documents += list(_parse_chunk(chunk, begin, offset))
         except yaml.YAMLError as exc:
             errors.append(_yaml_error(file, exc, chunk, offset))
-            documents.append((None, None))
+            documents.append((None, None, None))
         except RecursionError:
             errors.append(InputError(file, offset + 1, "document is nested too deeply to read"))
-            documents.append((None, None))
+            documents.append((None, None, None))
     return documents, errors
 
 
 def _parse_json(file: str, text: str) -> tuple[list[Parsed], list[InputError]]:
     """JSON that YAML cannot read (tabs, say) still reads as JSON, without line numbers below the top."""
     try:
-        return [(json.loads(text), None)], []
+        return [(json.loads(text), None, None)], []
     except json.JSONDecodeError as exc:
         return [], [InputError(file, exc.lineno, f"invalid JSON: {exc.msg}")]
     except RecursionError:
         return [], [InputError(file, 1, "document is nested too deeply to read")]
 
 
-def read_documents(file: str, text: str) -> tuple[list[Document], list[InputError]]:
-    parsed, errors = _parse(file, text)
+def read_documents(file: str, text: str, settle: Settle | None = None) -> tuple[list[Document], list[InputError]]:
+    """The file's objects and what cannot be read. `settle` is told of each object while its node tree is at
+    hand (it may `locate` lines then); after a syntax error the file is read again and told again."""
+    try:
+        return _documents(file, text, _parse_chunk(text, 0, 0), settle)
+    except (yaml.YAMLError, RecursionError):
+        pass
+    parsed, errors = _parse_by_document(file, text)
     if errors and file.endswith(".json"):
         parsed, errors = _parse_json(file, text)
+    documents, more = _documents(file, text, parsed, settle)
+    return documents, errors + more
+
+
+def _documents(
+    file: str, text: str, parsed: Iterable[Parsed], settle: Settle | None
+) -> tuple[list[Document], list[InputError]]:
+    """Documents from parsed data, one at a time: a document's node tree is let go once it is settled."""
     documents: list[Document] = []
-    for index, (data, span) in enumerate(parsed):
+    errors: list[InputError] = []
+    for index, (data, span, node) in enumerate(parsed):
         if data is None:
             continue
         line = span.line + 1 if span is not None else 1
@@ -269,13 +339,19 @@ def read_documents(file: str, text: str) -> tuple[list[Document], list[InputErro
             )
             continue
         if data.get("kind") == "List" and isinstance(data.get("items"), list):
+            items = []
             for item_index, item in enumerate(data["items"]):
                 if isinstance(item, dict):
-                    documents.append(Document(file, index, item, span, ("items", item_index), text))
+                    items.append(Document(file, index, item, span, ("items", item_index), text, node))
                 else:
                     errors.append(InputError(file, line, f"document {index}: items[{item_index}] is not an object"))
-            continue
-        documents.append(Document(file, index, data, span, (), text))
+        else:
+            items = [Document(file, index, data, span, (), text, node)]
+        for document in items:
+            if settle is not None:
+                settle(document)
+            document.node = None
+        documents += items
     return documents, errors
 
 
@@ -289,7 +365,7 @@ def expand_paths(paths: list[str]) -> tuple[list[str], list[InputError]]:
             continue
         path = Path(raw)
         if path.is_dir():
-            files += sorted(str(p) for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+            files += manifests_under(str(path))
         elif path.exists():
             files.append(raw)
         else:
@@ -297,10 +373,37 @@ def expand_paths(paths: list[str]) -> tuple[list[str], list[InputError]]:
     return files, errors
 
 
+def manifests_under(directory: str) -> list[str]:
+    """What `sorted(str(p) for p in Path(directory).rglob("*") if p.suffix in SUFFIXES and p.is_file())` gives
+    (symbolic links to directories not followed, unreadable directories skipped), without a Path per entry:
+    a fifth of the time of a run over many small files."""
+    found: list[str] = []
+    pending = [directory]
+    while pending:
+        top = pending.pop()
+        prefix = "" if top == "." else top.rstrip("/") + "/"
+        try:
+            with os.scandir(top) as listing:
+                entries = list(listing)
+        except PermissionError:
+            continue
+        for entry in entries:
+            name = entry.name
+            if entry.is_dir() and not entry.is_symlink():
+                pending.append(prefix + name)
+            elif (dot := name.rfind(".")) > 0 and name[dot:] in SUFFIXES and entry.is_file():
+                found.append(prefix + name)
+    return sorted(found)
+
+
 def read_text(file: str) -> str | InputError:
     """The file's text, or the reason it cannot be read."""
     try:
-        data = sys.stdin.buffer.read() if file == STDIN else Path(file).read_bytes()
+        if file == STDIN:
+            data = sys.stdin.buffer.read()
+        else:
+            with open(file, "rb") as stream:
+                data = stream.read()
     except OSError as exc:
         return InputError(display_name(file), None, f"cannot read: {exc.strerror or exc}")
     try:

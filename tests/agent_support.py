@@ -112,6 +112,7 @@ class GpuNode:
         backend: Any = None,
         on_transition: Callable[..., None] | None = None,
         nvidia_checkpoint: Path | None = None,
+        max_concurrent_teardowns: int = 0,
     ) -> Agent:
         """A fresh agent process: new instance, same checkpoint file, same cluster and GPUs."""
         return Agent(
@@ -120,6 +121,7 @@ class GpuNode:
                 teardown=self.settings,
                 nvidia_checkpoint=nvidia_checkpoint,
                 rescrub_dir=request_dir(self.checkpoint),
+                max_concurrent_teardowns=max_concurrent_teardowns,
             ),
             cluster=cluster or self.cluster,
             backend=backend or self.backend(),

@@ -1,0 +1,411 @@
+"""The agent with `max_concurrent_teardowns`: teardowns of different devices run side by side, bounded; fencing a
+new allocation never waits behind a scrub; one claim's steps stay in order; a crash anywhere still restarts
+into "fenced" or "verified clean"; concurrent checkpoint saves share writes and lose nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+from agent_support import (
+    NODE,
+    Crash,
+    CrashPlan,
+    GpuNode,
+    Interceptor,
+    make_node,
+    restart_and_finish,
+)
+from scrubgate.policies import names
+from scrubgate.sanitizer_agent.agent import Agent
+from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, ClaimRef, State, Teardown
+from scrubgate.sanitizer_agent.cli import add_arguments
+from scrubgate.sanitizer_agent.lanes import Lanes
+
+WAIT_S = 10.0
+
+
+def concurrent_agent(node: GpuNode, workers: int = 4, **parts: Any) -> Agent:
+    """A fresh agent process of `node` whose teardowns run in `workers` lanes."""
+    return node.agent(max_concurrent_teardowns=workers, **parts)
+
+
+def settle(node: GpuNode, agent: Agent, rounds: int = 50) -> None:
+    """Ticks and lets the lanes finish until nothing is left to do now."""
+    for _ in range(rounds):
+        agent.tick()
+        assert agent.wait_idle(WAIT_S), "lanes still busy"
+        idle = (State.ALLOCATED, State.RELEASED, State.FAILED)
+        if all(td.state in idle for td in agent.store.teardowns.values()):
+            return
+        node.clock.advance(1.0)
+    raise AssertionError("agent did not settle")
+
+
+class GatedScrubs:
+    """A backend whose scrubs wait at a gate; counts the scrubs running at once."""
+
+    def __init__(self, backend: Any, gate: threading.Event | None = None) -> None:
+        self._backend = backend
+        self.gate = gate or threading.Event()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+        self.started = threading.Semaphore(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def scrub(self, uuid: str) -> Any:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.started.release()
+        try:
+            assert self.gate.wait(WAIT_S), "the gate never opened"
+            return self._backend.scrub(uuid)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def started(scrubs: GatedScrubs, count: int) -> bool:
+    return all(scrubs.started.acquire(timeout=WAIT_S) for _ in range(count))
+
+
+@pytest.fixture
+def node(tmp_path) -> GpuNode:
+    return make_node(tmp_path, gpus=4)
+
+
+def test_scrubs_of_different_gpus_run_at_once_and_at_most_as_many_as_configured(node):
+    scrubs = GatedScrubs(node.backend())
+    agent = concurrent_agent(node, workers=3, backend=scrubs)
+    agent.start()
+    try:
+        for i in range(4):
+            node.job_ends(agent, f"job-{i}", (i,))
+        agent.tick()
+        assert started(scrubs, 3), "three teardowns scrub side by side"
+        assert not scrubs.started.acquire(timeout=0.3), "the fourth waits for a free worker"
+        scrubs.gate.set()
+        settle(node, agent)
+    finally:
+        scrubs.gate.set()
+        agent.close()
+    assert scrubs.most == 3
+    assert all(node.clean(i) for i in range(4)) and not node.cluster.rules
+    assert agent.store.teardowns == {} and node.violations.found == []
+
+
+def test_a_new_allocation_is_fenced_while_another_gpu_is_scrubbed(node):
+    scrubs = GatedScrubs(node.backend())
+    agent = concurrent_agent(node, workers=2, backend=scrubs)
+    agent.start()
+    try:
+        node.job_ends(agent, "old", (0,))
+        assert started(scrubs, 1)
+        _, pod = node.tenant("new", [1])
+        agent.observe_pod("ADDED", pod)  # returns with the fence up: nothing waited for the scrub
+        assert node.fenced(1) and scrubs.running == 1
+        scrubs.gate.set()
+        settle(node, agent)
+    finally:
+        scrubs.gate.set()
+        agent.close()
+    assert node.clean(0) and node.fenced(1) and not node.fenced(0)
+    assert claim_status(node, "new") == names.SCRUB_FENCED
+
+
+def claim_status(node: GpuNode, name: str) -> str | None:
+    claim = node.cluster.claims[("team-a", name)]
+    return (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_SCRUB_STATUS)
+
+
+def test_each_claims_steps_stay_in_order_while_claims_run_side_by_side(node):
+    statuses: dict[str, list[str]] = {}
+    fences_lifted: dict[str, bool] = {}
+
+    def record(operation: str, args: tuple[Any, ...]) -> None:
+        if operation == "patch_claim":
+            for op in args[2]:
+                if op["op"] == "test":
+                    continue
+                if op["path"] == "/metadata/annotations":  # the claim's first annotations, all at once
+                    value = op["value"].get(names.ANNOTATION_SCRUB_STATUS)
+                elif op["path"].endswith(names.ANNOTATION_SCRUB_STATUS.replace("/", "~1")):
+                    value = op["value"]
+                else:
+                    continue
+                statuses.setdefault(args[1], []).append(value)
+        elif operation == "delete_device_taint_rule":
+            claim = node.cluster.rules[args[1]]["metadata"]["annotations"]["scrubgate.dev/claim"].partition("/")[2]
+            fences_lifted[claim] = claim_status(node, claim) == names.SCRUB_VERIFIED
+
+    monitor = node.cluster.hook
+    node.cluster.hook = lambda operation, args: (monitor(operation, args), record(operation, args))
+    agent = concurrent_agent(node, workers=4)
+    agent.start()
+    try:
+        for i in range(4):
+            node.job_ends(agent, f"job-{i}", (i,))
+        settle(node, agent)
+    finally:
+        agent.close()
+    assert statuses == {f"job-{i}": [names.SCRUB_FENCED, names.SCRUB_SCRUBBING, names.SCRUB_VERIFIED] for i in range(4)}
+    assert fences_lifted == {f"job-{i}": True for i in range(4)}, "each fence lifted after its claim's attestation"
+    assert node.violations.found == []
+
+
+def test_lanes_run_one_keys_tasks_in_order_and_different_keys_at_once():
+    lanes = Lanes(2)
+    order: list[str] = []
+    both = threading.Barrier(2, timeout=WAIT_S)
+    try:
+        for key in ("a", "b"):
+            lanes.submit(key, both.wait)  # both lanes at once, or the barrier breaks
+            for i in range(20):
+                lanes.submit(key, lambda key=key, i=i: order.append(f"{key}{i}"))
+        assert lanes.wait_idle(WAIT_S)
+    finally:
+        lanes.close()
+    assert not both.broken
+    for key in ("a", "b"):
+        assert [x for x in order if x[0] == key] == [f"{key}{i}" for i in range(20)]
+
+
+def test_a_tagged_task_waiting_in_its_lane_is_not_queued_twice():
+    lanes = Lanes(1)
+    gate, ran = threading.Event(), []
+    try:
+        lanes.submit("a", lambda: gate.wait(WAIT_S))
+        for _ in range(5):
+            lanes.submit("a", lambda: ran.append("advance"), "advance")
+        lanes.submit("a", lambda: ran.append("other"))
+        gate.set()
+        assert lanes.wait_idle(WAIT_S)
+    finally:
+        lanes.close()
+    assert ran == ["advance", "other"]
+
+
+@pytest.mark.parametrize("at_event", range(1, 115, 3))
+def test_a_crash_anywhere_among_concurrent_teardowns_restarts_into_fenced_or_clean(tmp_path, at_event):
+    node = make_node(tmp_path, gpus=3)
+    plan = CrashPlan(at_event=at_event)
+    pods = [node.tenant(f"job-{i}", [i])[1] for i in range(3)]
+    agent = concurrent_agent(
+        node,
+        workers=3,
+        cluster=Interceptor(node.cluster, plan.on_call),
+        backend=Interceptor(node.backend(), plan.on_call),
+        on_transition=plan.on_transition,
+    )
+    crashed, seen = False, False
+    try:
+        agent.start()
+        seen = True  # from here on every device was seen allocated: it stays fenced until clean
+        for pod in pods:
+            agent.observe_pod("MODIFIED", node.finish(pod))
+        settle(node, agent)
+    except Crash:
+        crashed = True
+    finally:
+        agent.close()
+    if not crashed:
+        return
+    assert not seen or all(node.guarded(i) for i in range(3)), f"crash {plan.where}: a dirty device lost its fence"
+    restarted = node.agent()
+    restarted.start()
+    assert all(node.guarded(i) for i in range(3))
+    for pod in node.cluster.pods.values():
+        restarted.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(restarted)
+    assert all(node.clean(i) for i in range(3)) and not node.cluster.rules
+    assert node.violations.found == []
+
+
+def test_restart_after_a_concurrent_run_finishes_the_work(node):
+    plan = CrashPlan(at_state=State.SCRUBBING)
+    agent = concurrent_agent(node, workers=2, on_transition=plan.on_transition)
+    _, pod = node.tenant("train", [0])
+    agent.start()
+    with pytest.raises(Crash):
+        agent.observe_pod("MODIFIED", node.finish(pod))
+        settle(node, agent)
+    agent.close()
+    restart_and_finish(node)
+
+
+def test_saves_asked_for_at_once_share_writes_and_each_finds_its_change_on_disk(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoint.json", NODE)
+    writes = []
+    real = store.data.model_dump_json
+
+    def dump(**kwargs: Any) -> str:
+        writes.append(1)
+        time.sleep(0.05)  # a write takes a while: saves asked for meanwhile wait for the next
+        return real(**kwargs)
+
+    object.__setattr__(store.data, "model_dump_json", dump)
+    missing: list[str] = []
+    together = threading.Barrier(16, timeout=WAIT_S)
+
+    def one(i: int) -> None:
+        ref = ClaimRef(namespace="team-a", name=f"c{i}", uid=f"uid-{i}")
+        with store.lock:
+            store.teardowns[ref.uid] = Teardown(
+                claim=ref, devices=[], state=State.ALLOCATED, fence="rule", allocated_at=0.0
+            )
+        together.wait()
+        store.save()
+        if f"uid-{i}" not in json.loads((tmp_path / "checkpoint.json").read_text())["teardowns"]:
+            missing.append(ref.uid)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert missing == []
+    assert len(writes) < 16
+
+
+def test_the_cli_bounds_concurrent_teardowns():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).max_concurrent_teardowns == 16
+    assert parser.parse_args(["--max-concurrent-teardowns", "0"]).max_concurrent_teardowns == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-concurrent-teardowns", "-1"])
+
+
+def test_closing_waits_for_the_task_under_way_and_starts_no_other():
+    lanes = Lanes(1)
+    gate, ran = threading.Event(), []
+    lanes.submit("a", lambda: (gate.wait(WAIT_S), ran.append("a1")))
+    lanes.submit("a", lambda: ran.append("a2"))
+    lanes.submit("b", lambda: ran.append("b1"))
+    closing = threading.Thread(target=lanes.close)
+    closing.start()
+    deadline = time.monotonic() + WAIT_S
+    while not lanes._closing and time.monotonic() < deadline:  # close() has begun
+        time.sleep(0.01)
+    gate.set()
+    closing.join(WAIT_S)
+    assert not closing.is_alive() and ran == ["a1"]
+
+
+def test_the_api_client_keeps_a_connection_per_concurrent_call(tmp_path):
+    from scrubgate.sanitizer_agent.kube import KubernetesClusterClient
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    client = KubernetesClusterClient.from_config(str(kubeconfig), 300)
+    assert client.api.rest_client.pool_manager.connection_pool_kw["maxsize"] == 300
+    assert client.api.configuration.host == "https://127.0.0.1:1"
+
+
+def test_a_burst_of_allocations_is_read_and_fenced_side_by_side(node):
+    both = threading.Barrier(2, timeout=WAIT_S)
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(node.cluster, name)
+
+        def get_claim(self, namespace: str, name: str) -> Any:
+            if name in ("a", "b"):
+                both.wait()  # two first sights at once, or the barrier breaks
+            return node.cluster.get_claim(namespace, name)
+
+    scrubs = GatedScrubs(node.backend())
+    agent = concurrent_agent(node, workers=2, cluster=Api(), backend=scrubs)
+    agent.start()
+    try:
+        node.job_ends(agent, "old", (0,))
+        assert started(scrubs, 1)  # a scrub runs all along
+        pods = [node.tenant(name, [i])[1] for name, i in (("a", 1), ("b", 2))]
+        agent.observe_batch([("ADDED", pod) for pod in pods])
+        assert not both.broken and node.fenced(1) and node.fenced(2)
+        scrubs.gate.set()
+        settle(node, agent)
+    finally:
+        scrubs.gate.set()
+        agent.close()
+    assert [claim_status(node, name) for name in ("a", "b")] == [names.SCRUB_FENCED] * 2
+    assert node.clean(0) and node.violations.found == []
+
+
+def test_the_fences_of_one_claims_devices_go_up_and_down_at_once(tmp_path):
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)  # gpu-0 and its two MIG slices: three fences for gpu-0
+    together = threading.Barrier(3, timeout=WAIT_S)
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(node.cluster, name)
+
+        def create_device_taint_rule(self, version: str, rule: dict[str, Any]) -> None:
+            together.wait()  # all three at once, or the barrier breaks
+            node.cluster.create_device_taint_rule(version, rule)
+
+        def delete_device_taint_rule(self, version: str, name: str) -> None:
+            together.wait()
+            node.cluster.delete_device_taint_rule(version, name)
+
+    agent = concurrent_agent(node, workers=3, cluster=Api())
+    agent.start()
+    try:
+        _, pod = node.tenant("whole", [0])
+        agent.observe_pod("ADDED", pod)
+        assert all(node.fenced(i) for i in range(3))
+        agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+        settle(node, agent)
+    finally:
+        agent.close()
+    assert not together.broken and not node.cluster.rules and node.clean(0)
+    assert node.violations.found == []
+
+
+def test_weak_fences_of_teardowns_side_by_side_stand_while_any_device_is_dirty(tmp_path):
+    node = make_node(tmp_path, gpus=3, versions=())  # no DeviceTaintRule API: the node taint is the fence
+    lifted_while_dirty: list[str] = []
+    monitor = node.cluster.hook
+
+    def check(operation: str, args: tuple[Any, ...]) -> None:
+        monitor(operation, args)
+        for op in args[1] if operation == "patch_node" else []:
+            if op["op"] == "replace" and op["path"] == "/spec/taints":
+                keeps = any(t.get("key") == names.TAINT_UNSANITIZED for t in op["value"])
+                if not keeps and not all(node.clean(i) for i in range(3)):  # all three pods ended together
+                    lifted_while_dirty.append(json.dumps(op["value"]))
+
+    node.cluster.hook = check
+    agent = concurrent_agent(node, workers=3)
+    agent.start()
+    try:
+        pods = [node.tenant(f"job-{i}", [i])[1] for i in range(3)]
+        for pod in pods:
+            agent.observe_pod("ADDED", pod)
+        agent.observe_batch([("MODIFIED", node.finish(pod, controller=False)) for pod in pods])
+        settle(node, agent)
+    finally:
+        agent.close()
+    assert lifted_while_dirty == []
+    assert all(node.clean(i) for i in range(3)) and node.cluster.node_taints(NODE) == []
+    assert node.violations.found == []
