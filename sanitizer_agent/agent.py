@@ -287,9 +287,13 @@ class Agent:
             uid = (claim.get("metadata") or {}).get("uid")
             known = self.store.teardowns.get(uid or "")
             if known is not None and known.state in VERIFIED_STATES:
-                # Finished first (a restart after the scrub, before the finalizer's removal), so that a later
-                # use of the claim, which its attestation does not cover, gets a teardown of its own.
-                self._submit(known, lambda td=known: self.engine.advance(td), "advance")
+                # Finished first, here and now (a restart after the scrub, before the finalizer's removal), so
+                # that a later use of the claim, which its attestation does not cover, is seen below and gets a
+                # teardown of its own. Queued instead when its lane is already at work on it.
+                if self._lanes is not None and self._lanes.busy(known.claim.uid):
+                    self._submit(known, lambda td=known: self.engine.advance(td), "advance")
+                else:
+                    self._guarded(known, lambda td=known: self.engine.advance(td))
             if not uid or uid in self.store.teardowns:
                 continue
             if deleted_before_allocation(claim):

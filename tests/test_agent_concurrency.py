@@ -287,10 +287,11 @@ def test_the_cli_bounds_concurrent_teardowns():
 
 def test_closing_waits_for_the_task_under_way_and_starts_no_other():
     lanes = Lanes(1)
-    gate, ran = threading.Event(), []
-    lanes.submit("a", lambda: (gate.wait(WAIT_S), ran.append("a1")))
+    started, gate, ran = threading.Event(), threading.Event(), []
+    lanes.submit("a", lambda: (started.set(), gate.wait(WAIT_S), ran.append("a1")))
     lanes.submit("a", lambda: ran.append("a2"))
     lanes.submit("b", lambda: ran.append("b1"))
+    assert started.wait(WAIT_S), "the first task never started"  # under way, not merely queued
     closing = threading.Thread(target=lanes.close)
     closing.start()
     deadline = time.monotonic() + WAIT_S
