@@ -151,22 +151,11 @@ class Driver:
         return resource_slices(self.node, self.backend.list_devices(), generation, counters_apart=self._counters_apart)
 
     def sync(self) -> None:
-        current = {
-            s["metadata"]["name"]: s
-            for s in self.rest.request("GET", SLICES_PATH, query=[("fieldSelector", f"spec.nodeName={self.node}")]).get(
-                "items"
-            )
-            or []
-        }
+        listed = self.rest.request("GET", SLICES_PATH, query=[("fieldSelector", f"spec.nodeName={self.node}")])
+        current = {s["metadata"]["name"]: s for s in listed.get("items") or []}
         generation = max((int(s["spec"]["pool"].get("generation") or 1) for s in current.values()), default=1)
         wanted = self._slices(generation)
-        if (
-            current
-            and all(
-                w["metadata"]["name"] in current and current[w["metadata"]["name"]]["spec"] == w["spec"] for w in wanted
-            )
-            and len(current) == len(wanted)
-        ):
+        if {name: s["spec"] for name, s in current.items()} == {w["metadata"]["name"]: w["spec"] for w in wanted}:
             return
         if current:  # a new generation replaces the whole pool
             wanted = self._slices(generation + 1)

@@ -67,9 +67,11 @@ def validate(
     *,
     trusted: bool,
     admission: Admission | None = None,
+    stored: bool = False,
 ) -> list[Finding]:
     """Findings for `obj`. Without `admission` the object is a manifest (CI): an absent grace period and a
-    missing finalizer are reported, since nothing will default them. On UPDATE only what the update
+    missing finalizer are reported, since nothing will default them; `stored` says it was read from a cluster
+    (`check --cluster`), where scrubgate's annotations are the agent's writes, not a manifest's forgery. On UPDATE only what the update
     introduces counts: a finding the old object had too (it predates scrubgate, or its namespace was
     relabelled) would otherwise block every later write to it, the agent's attested release included."""
     if admission is not None and admission.operation == "DELETE":
@@ -99,7 +101,7 @@ def validate(
         return found
     found = _object_findings(obj, policy, trusted, manifest=admission is None)
     if admission is None or admission.operation == "CREATE":
-        if is_claim(obj) and _enabled(policy, "SG007"):
+        if is_claim(obj) and not stored and _enabled(policy, "SG007"):
             user = (admission.username, admission.groups) if admission is not None else ("", ())
             found += _findings(policy, "SG007", rules.preset_annotations(obj, *user, policy))
         return found

@@ -265,6 +265,8 @@ class KubernetesClusterClient:
             ("resourceVersion", resource_version),
             ("timeoutSeconds", str(timeout_s)),
         ]
+        from urllib3.exceptions import HTTPError
+
         response = self._send("GET", "/api/v1/pods", query=query, stream=True, timeout_s=timeout_s + 10)
         try:
             for line in _lines(response):
@@ -273,6 +275,8 @@ class KubernetesClusterClient:
                 if kind == "ERROR":
                     raise ClusterError(f"watch of pods on {node}: {obj.get('message')}", int(obj.get("code") or 0))
                 yield kind, obj
+        except (HTTPError, OSError) as exc:  # the stream broke (an API server restart): an outage, not a bug
+            raise ClusterError(f"watch of pods on {node}: connection to the API server lost: {exc}", 0) from exc
         finally:
             response.release_conn()
 

@@ -38,10 +38,12 @@ def check_documents(
     policy: PolicyConfig,
     overrides: Mapping[str, bool] | None = None,
     checked: list[CheckedObject] | None = None,
+    *,
+    stored: bool = False,
 ) -> list[CheckedObject]:
     """Findings for every document. `checked` holds documents already validated as they were read, under the
     tenancy known then; one whose namespace turned out otherwise (a Namespace document read after it) is
-    validated again."""
+    validated again. `stored`: the documents were read from a cluster, not from manifests."""
     trusted = trusted_namespaces(documents, policy, overrides or {})
     done = {id(c.document): c for c in checked or ()}
     out = []
@@ -49,7 +51,7 @@ def check_documents(
         is_trusted = namespace_of(doc.obj) in trusted
         found = done.get(id(doc))
         if found is None or found.trusted != is_trusted:
-            found = CheckedObject(doc, validate(doc.obj, policy, trusted=is_trusted), is_trusted)
+            found = CheckedObject(doc, validate(doc.obj, policy, trusted=is_trusted, stored=stored), is_trusted)
         out.append(found)
     keyed = ((i, c.document.obj, c.trusted) for i, c in enumerate(out))
     for index, finding in shared_claims(keyed, policy):

@@ -206,9 +206,6 @@ def read_cluster(api: Api, page_size: int = PAGE_SIZE) -> Snapshot:
     return snapshot
 
 
-STORED_OBJECT_EXEMPT_RULE = "SG007"
-
-
 def check_snapshot(
     snapshot: Snapshot, policy: PolicyConfig, overrides: Mapping[str, bool] | None = None
 ) -> CheckResult:
@@ -220,11 +217,8 @@ def check_snapshot(
             continue
         documents.append(Document(file="cluster", index=index, obj=obj, span=None))
     result = CheckResult()
-    result.objects = [c for c in check_documents(documents, policy, overrides) if c.document.obj["kind"] != "Namespace"]
-    for checked in result.objects:
-        # SG007 guards changes by a user; a stored claim's scrubgate annotations are the agent's own writes
-        # (a manifest that carries them is a forgery; a claim in the cluster is not).
-        checked.findings = [f for f in checked.findings if f.rule != STORED_OBJECT_EXEMPT_RULE]
+    checked = check_documents(documents, policy, overrides, stored=True)
+    result.objects = [c for c in checked if c.document.obj["kind"] != "Namespace"]
     return result
 
 

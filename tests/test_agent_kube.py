@@ -18,7 +18,7 @@ from scrubgate.sanitizer_agent import claims
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State
 from scrubgate.sanitizer_agent.gpu import simulated
-from scrubgate.sanitizer_agent.kube import Conflict, KubernetesClusterClient
+from scrubgate.sanitizer_agent.kube import ClusterError, Conflict, KubernetesClusterClient
 from scrubgate.sanitizer_agent.metrics import serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -336,3 +336,24 @@ def test_real_client_replaces_a_rule_that_took_a_fences_name_with_another_spec(t
         assert "replacing it" in caplog.text
         cluster.create_device_taint_rule(version, fence)
         assert cluster._call("GET", path)["metadata"]["uid"] == stored["metadata"]["uid"]
+
+
+def test_a_watch_broken_mid_stream_is_an_api_outage_not_a_crash(monkeypatch):
+    """kube-apiserver restarting cuts the watch's chunked stream: the agent sees a ClusterError (a warning and
+    a relist), not urllib3's ProtocolError (logged as a crash with its traceback)."""
+    from urllib3.exceptions import ProtocolError
+
+    class Cut:
+        def stream(self, amt=None, decode_content=True):
+            yield b'{"type": "ADDED", "object": {"metadata": {"name": "p"}}}\n'
+            raise ProtocolError("Response ended prematurely")
+
+        def release_conn(self):
+            pass
+
+    cluster = KubernetesClusterClient(client.ApiClient(client.Configuration(host="https://127.0.0.1:1")))
+    monkeypatch.setattr(cluster, "_send", lambda *args, **kwargs: Cut())
+    events = cluster.watch_node_pods(NODE, "1", 5)
+    assert next(events) == ("ADDED", {"metadata": {"name": "p"}})
+    with pytest.raises(ClusterError, match="connection to the API server lost"):
+        next(events)

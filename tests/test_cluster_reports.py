@@ -19,6 +19,7 @@ from scrubgate.policies.config import load_policy
 from test_manifests import kustomize
 
 from scrubgate import __version__, cli, reports
+from scrubgate.check import run_check
 from scrubgate.cluster import CHECKED_KINDS, ApiError, KubeApi, check_cluster, read_cluster
 from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
 from scrubgate.policyreport import build_reports
@@ -76,6 +77,23 @@ def test_check_cluster_reports_what_was_there_before_the_webhook(api):
     assert notes == []
     assert result.exit_code == 1  # SG001 denies
     assert api.writes() == []  # read-only
+
+
+def test_a_stored_claims_agent_annotations_are_not_a_finding_as_in_a_manifest(api, tmp_path):
+    """The agent writes scrubgate.dev/devices and scrub-status on the claims it tears down; in the cluster that
+    is its job, in a manifest it is a forgery (SG007)."""
+    torn_down = claim("team-a", "in-use")
+    torn_down["metadata"]["annotations"] = {
+        "scrubgate.dev/devices": '[{"driver":"gpu.nvidia.com","pool":"n","device":"gpu-0"}]',
+        "scrubgate.dev/scrub-status": "fenced",
+    }
+    api.add(CLAIMS, torn_down)
+    result, _ = check_cluster(api, load_policy(None))
+    assert ("team-a", "in-use", "SG007") not in findings(result)
+    manifest = tmp_path / "claim.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", **torn_down}))
+    checked = run_check([str(manifest)], load_policy(None))
+    assert [f.rule for o in checked.objects for f in o.findings] == ["SG007"]
 
 
 def test_lists_are_paginated_with_limit_and_continue(api):
