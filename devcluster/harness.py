@@ -727,6 +727,28 @@ class Cluster:
             f"the default ServiceAccount of namespace {name}",
             interval=0.1,
         )
+        for tenant in self.tenants:
+            # The RoleBinding, and the `edit` rules the role-aggregation controller adds after start-up, reach
+            # the RBAC authorizer through informers: wait until the API server says the tenant may work here.
+            wait_for(
+                lambda tenant=tenant: self._may(tenant, name, "create", "resource.k8s.io", "resourceclaimtemplates"),
+                self.ready_timeout,
+                f"RBAC letting {tenant} edit namespace {name}",
+                interval=0.1,
+            )
+
+    def _may(self, user: str, namespace: str, verb: str, group: str, resource: str) -> bool:
+        """The API server's answer (a SubjectAccessReview) to: may ``user`` do this?"""
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": self.users[user].name,
+                "resourceAttributes": {"namespace": namespace, "verb": verb, "group": group, "resource": resource},
+            },
+        }
+        reply = self.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+        return bool((reply.get("status") or {}).get("allowed"))
 
     def create_job(self, user: str, job: dict[str, Any]) -> str:
         """Create the Job as ``user``; returns the name of the pod the Job controller creates for it."""
