@@ -289,15 +289,16 @@ class Demo:
                 e.resource == "resourceclaims" and e.obj["metadata"].get("name") == self.next_claim and is_allocated(e)
             ),
         )
-        order = f"attested {attested}, deallocated {deallocated}, fence lifted {lifted}, reallocated {allocated}"
+        order = f"fence lifted {lifted}, attested {attested}, deallocated {deallocated}, reallocated {allocated}"
         expect(None not in (attested, deallocated, lifted, allocated), f"rv order {order}")
-        # Deallocation (refused by the webhook until the attestation) and the fence lift both precede reuse.
-        expect(attested < deallocated < allocated and attested < lifted < allocated, f"rv order {order}")  # type: ignore[operator]
+        # The fence goes first (the scheduler retries a waiting pod on a deallocation, not on a fence's deletion),
+        # then the attestation, then the deallocation the webhook refused until then, then the reuse.
+        expect(lifted < attested < deallocated < allocated, f"rv order {order}")  # type: ignore[operator]
         violations = c.observer.violations(c.public_keys)
         expect(not violations, "; ".join(violations))
         return [
-            f"resourceVersion order: {NS_A}/{self.job_claim} attested {attested} < deallocated {deallocated} "
-            f"and fence lifted {lifted} < {NS_B}/{self.next_claim} allocated {'/'.join(self.device)} {allocated}",
+            f"resourceVersion order: fence lifted {lifted} < {NS_A}/{self.job_claim} attested {attested} < "
+            f"deallocated {deallocated} < {NS_B}/{self.next_claim} allocated {'/'.join(self.device)} {allocated}",
             f"pod {NS_B}/next looked for the canary in {self.device_uuid}: {found['message']}",
             "observer: no device allocated while dirty, no finalizer removed without a verified attestation",
         ]

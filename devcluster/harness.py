@@ -208,6 +208,7 @@ class Cluster:
         ready_timeout: float = 120.0,
         version: str | None = None,
         installer: str = "kustomize",
+        client_qps: float | None = None,
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -234,6 +235,7 @@ class Cluster:
             users=[StaticUser(u.name, u.token, u.groups) for k, u in self.users.items() if k != "agent"],
             version=version,
             admission_config=self.paths.admission_config,
+            client_qps=client_qps,
             ready_timeout=ready_timeout,
         )
         self._agent_args = list(agent_args)
@@ -423,6 +425,18 @@ class Cluster:
             self._install_with_kustomize()
         self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
         self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
+
+    def uninstall_scrubgate(self) -> None:
+        """Removes scrubgate from the running installation, for a baseline of the control plane and the harness
+        alone: its webhook configurations go, then its webhook and agent stop (fences and finalizers already
+        placed stay)."""
+        for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+            path = f"/apis/admissionregistration.k8s.io/v1/{kind}"
+            for item in self.request("GET", path)["items"]:
+                if any(w.get("name", "").endswith(".scrubgate.dev") for w in item.get("webhooks") or []):
+                    self.request("DELETE", f"{path}/{item['metadata']['name']}")
+        self.agent.stop()
+        self.webhook.stop()
 
     def _install_with_helm(self) -> None:
         """`helm install` of charts/scrubgate with its values for host processes (values-local.yaml): the

@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ RUN_SECONDS = ANNOTATION_PREFIX + "run-seconds"
 CANARY_FOUND = ANNOTATION_PREFIX + "CanaryFound"
 CONTAINER_ID_PREFIX = "devcluster://"
 LEASE_SECONDS = 40
+POD_WORKERS = 8  # pods synced side by side, as the kubelet's pod workers do; one pod by one worker per pass
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Kubelet:
         self.gpu_root = Path(gpu_root)
         self.driver = driver
         self._running: dict[str, _Running] = {}  # pod uid -> its container process
+        self._workers = ThreadPoolExecutor(POD_WORKERS, thread_name_prefix="pod-worker")
 
     def register(self) -> None:
         """Create the Node (once) and report it Ready, with room for many pods."""
@@ -188,19 +191,25 @@ class Kubelet:
 
     def sync(self) -> None:
         pods = self.rest.request("GET", "/api/v1/pods", query=[("fieldSelector", f"spec.nodeName={self.node}")])
-        seen = set()
-        for pod in pods.get("items") or []:
-            seen.add(pod["metadata"]["uid"])
-            try:
-                self._sync_pod(pod)
-            except ApiException as exc:
-                # Conflicts and NotFound are ordinary races: the next pass sees the new state and retries.
-                if exc.status not in (404, 409):
-                    log.warning("node %s: pod %s: %s", self.node, pod["metadata"]["name"], status_message(exc))
+        items = pods.get("items") or []
+        futures = [self._workers.submit(self._sync_one, pod) for pod in items]
+        # The pass ends when every pod's sync has (the next pass may sync the same pods); then the first error.
+        failed = [error for error in (f.exception() for f in futures) if error is not None]
+        if failed:
+            raise failed[0]
+        seen = {pod["metadata"]["uid"] for pod in items}
         for uid in list(self._running):
             if uid not in seen:  # force-deleted behind our back: stop what still runs
                 log.info("node %s: pod %s is gone from the API; killing its container", self.node, uid)
                 self._stop_container(uid)
+
+    def _sync_one(self, pod: dict) -> None:
+        try:
+            self._sync_pod(pod)
+        except ApiException as exc:
+            # Conflicts and NotFound are ordinary races: the next pass sees the new state and retries.
+            if exc.status not in (404, 409):
+                log.warning("node %s: pod %s: %s", self.node, pod["metadata"]["name"], status_message(exc))
 
     def _sync_pod(self, pod: dict) -> None:
         meta, status = pod["metadata"], pod.get("status") or {}

@@ -22,6 +22,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ CANARY_PREFIX = "SCRUBGATE-LOAD-CANARY-"
 TEMPLATES = {"mig": workloads.MIG_CLASS, "gpu": workloads.GPU_CLASS}  # what a pod asks for -> device class
 CLAIM_UID_LABEL = "scrubgate.dev/claim-uid"  # the agent labels each fence with its claim's UID
 POLL_S = 0.1
+CLIENTS = 8  # requests in flight at once, as a Job controller and the TTL controller send them
 OBSERVER_GRACE_S = 30.0
 
 
@@ -242,10 +244,11 @@ class LoadRun:
         name = created["metadata"]["name"]
         self.outcomes[(namespace, name)] = ClaimOutcome(namespace, name, wants)
 
-    def _reap_finished(self) -> int:
+    def _reap_finished(self, pool: ThreadPoolExecutor) -> int:
         """Records what finished pods reported and deletes them; returns how many pods are still unfinished."""
         pods = self.cluster.request("GET", "/api/v1/pods", query=[("labelSelector", f"{RUN_LABEL}={self.run_id}")])
         unfinished = 0
+        finished = []
         for pod in pods["items"]:
             meta, status = pod["metadata"], pod.get("status") or {}
             outcome = self.outcomes.get((meta["namespace"], meta["name"]))
@@ -259,29 +262,34 @@ class LoadRun:
             outcome.name = next(
                 (s.get("resourceClaimName") or "" for s in status.get("resourceClaimStatuses") or []), ""
             )
-            with contextlib.suppress(ApiException):  # already gone
-                self.cluster.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
+            finished.append(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
+        list(pool.map(self._delete, finished))
         return unfinished
+
+    def _delete(self, path: str) -> None:
+        with contextlib.suppress(ApiException):  # already gone
+            self.cluster.request("DELETE", path)
 
     def _submit_all(self, deadline: float) -> bool:
         submitted = unfinished = 0
         last_report = time.monotonic()
-        while submitted < self.spec.claims or unfinished:
-            while submitted < self.spec.claims and unfinished < self.spec.parallelism:
-                self._submit(submitted)
-                submitted += 1
-                unfinished += 1
-            time.sleep(POLL_S)
-            unfinished = self._reap_finished()
-            if time.monotonic() > deadline:
-                self.notes.append(
-                    f"load run {self.run_id}: {submitted} of {self.spec.claims} pods submitted, {unfinished} not "
-                    f"finished after {self.spec.timeout_s:.0f}s"
-                )
-                return False
-            if time.monotonic() - last_report > 5:
-                last_report = time.monotonic()
-                self.progress(f"{submitted - unfinished} of {self.spec.claims} pods finished")
+        with ThreadPoolExecutor(CLIENTS, thread_name_prefix="load") as pool:
+            while submitted < self.spec.claims or unfinished:
+                batch = range(submitted, min(self.spec.claims, submitted + self.spec.parallelism - unfinished))
+                list(pool.map(self._submit, batch))
+                submitted += len(batch)
+                unfinished += len(batch)
+                time.sleep(POLL_S)
+                unfinished = self._reap_finished(pool)
+                if time.monotonic() > deadline:
+                    self.notes.append(
+                        f"load run {self.run_id}: {submitted} of {self.spec.claims} pods submitted, {unfinished} "
+                        f"not finished after {self.spec.timeout_s:.0f}s"
+                    )
+                    return False
+                if time.monotonic() - last_report > 5:
+                    last_report = time.monotonic()
+                    self.progress(f"{submitted - unfinished} of {self.spec.claims} pods finished")
         return True
 
     def _wait_clean(self, deadline: float) -> bool:

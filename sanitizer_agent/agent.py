@@ -116,6 +116,7 @@ class Agent:
         # Claim UID -> (pod UIDs it was released by, when): a released claim stays allocated until the
         # controller deallocates it after the attestation; a pod event meanwhile must not start it again.
         self._released: dict[str, tuple[frozenset[str], float]] = {}
+        self._ends_looked_at: dict[str, set[str]] = {}  # ended pod uid -> its claims looked at since
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
         self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
@@ -256,18 +257,46 @@ class Agent:
             known = self._find(namespace, name)
             if known is not None and known.state == State.ALLOCATED and not finished:
                 continue
+            # A pod's end comes as several events (Succeeded, deletionTimestamp, DELETED): each of its claims is
+            # looked at once then, until what it shows settles the claim.
+            if finished and not self._first_look_at_end(uid, name):
+                continue
+            if known is not None and finished and known.state == State.ALLOCATED:
+                self._submit(known, lambda td=known: self._check_release(td), "check-release")  # its lane reads it
+                continue
             try:
                 claim = self.cluster.get_claim(namespace, name)
             except ClusterError as exc:
                 log.warning("cannot get claim %s/%s of pod %s: %s; the next resync retries", namespace, name, uid, exc)
+                self._look_again_at_end(uid, name)
                 continue
             if claim is None:
                 if known is not None:
                     self._submit(known, lambda td=known: self.engine.release(td, "claim deleted"))
                 continue
+            if finished and not allocated_devices(claim) and not recorded_devices(claim):
+                # kube-controller-manager (1.37) makes a new claim from the template for a pod that has ended
+                # once it deleted the pod's claim, then deletes that one too. It never holds a device: its
+                # finalizer goes once it is being deleted, not at the claim resync minutes later.
+                if deleted_before_allocation(claim):
+                    self._drop_finalizer(claim)
+                else:
+                    self._look_again_at_end(uid, name)
+                continue
             td = self._track(claim)
             if td is not None:
                 self._submit(td, lambda td=td, claim=claim: self._check_release(td, claim))
+
+    def _first_look_at_end(self, pod_uid: str, claim_name: str) -> bool:
+        with self._lock:
+            looked = self._ends_looked_at.setdefault(pod_uid, set())
+            first = claim_name not in looked
+            looked.add(claim_name)
+        return first
+
+    def _look_again_at_end(self, pod_uid: str, claim_name: str) -> None:
+        with self._lock:
+            self._ends_looked_at.get(pod_uid, set()).discard(claim_name)
 
     def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
         """A full list of this node's pods. A running pod that is not in it may have gone though no watch said
@@ -444,6 +473,7 @@ class Agent:
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         with self._lock:
             self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
+            self._ends_looked_at = {uid: n for uid, n in self._ends_looked_at.items() if uid in self._finished_pods}
             self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
 
     # ---------------------------------------------------------------- the loop

@@ -2,8 +2,9 @@
 
 One JSON file on the node (hostPath), written atomically: a temp file in the same directory, fsync,
 rename over the real one, fsync the directory. A crash leaves either the old or the new file, never a
-mix; a stray temp file is ignored. The file carries a version and the agent refuses any other version
-loudly rather than guess: a misread checkpoint could lift a fence on a dirty device.
+mix; a stray temp file is ignored. The file carries a version; the agent reads the versions it knows
+(version 1, written before the fences were lifted ahead of the attestation's write, is carried over) and
+refuses any other loudly rather than guess: a misread checkpoint could lift a fence on a dirty device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .gpu.base import MigPlacement
 
-VERSION = 1
+VERSION = 2
 DEFAULT_PATH = Path("/var/lib/scrubgate/agent-checkpoint.json")
 
 
@@ -35,9 +36,12 @@ class State(StrEnum):
     DRAINING = "draining"  # waiting (bounded) for every process on the device to exit
     SCRUBBING = "scrubbing"  # zero, verify, health check
     VERIFIED = "verified"  # every device verified clean; next: sign
-    ATTESTED = "attested"  # attestation signed; next: write it to the claim
-    UNFENCED = "unfenced"  # attestation written; next: delete our fences
-    DONE = "done"  # fences lifted; next: remove the finalizer, then forget the teardown
+    ATTESTED = "attested"  # attestation signed; next: delete our fences
+    # Fences lifted; next: write the attestation to the claim. In this order, the resourceclaim controller's
+    # deallocation (allowed once the attestation is on the claim) comes after the fences went: kube-scheduler
+    # retries a pod waiting for a device when a claim is deallocated, not when a DeviceTaintRule is deleted.
+    UNFENCED = "unfenced"
+    DONE = "done"  # attestation written; next: remove the finalizer, then forget the teardown
     FAILED = "failed"  # fence kept, scrub-failed taint added; retried with backoff, then an operator
 
 
@@ -134,7 +138,7 @@ class Teardown(_Model):
 
 
 class CheckpointFile(_Model):
-    version: Literal[1]
+    version: Literal[2]
     node: str
     teardowns: dict[str, Teardown] = {}  # by claim UID
 
@@ -202,9 +206,11 @@ def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
             "then fences every device that the claims on this node or NVIDIA's checkpoint show as used"
         ) from exc
     version = data.get("version") if isinstance(data, dict) else None
-    if version != VERSION:
+    if version == 1:
+        data = _from_version_1(data)
+    elif version != VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has version {version!r}; this agent reads version {VERSION} only. Refusing to "
+            f"checkpoint {path} has version {version!r}; this agent reads versions 1 and {VERSION}. Refusing to "
             "start rather than misread it: run the agent release that wrote it, or move the file aside"
         )
     try:
@@ -217,6 +223,18 @@ def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
             "hostPath mount"
         )
     return checkpoint
+
+
+def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 wrote the attestation to the claim before it lifted the fences: its `unfenced` (attestation
+    written, fences still up) resumes as `attested` (lift, then write again: both idempotent). Its other
+    states mean what they mean in version 2."""
+    teardowns = data.get("teardowns")
+    if isinstance(teardowns, dict):
+        for teardown in teardowns.values():
+            if isinstance(teardown, dict) and teardown.get("state") == State.UNFENCED:
+                teardown["state"] = State.ATTESTED.value
+    return {**data, "version": VERSION}
 
 
 def write_atomic(path: Path, content: bytes) -> None:

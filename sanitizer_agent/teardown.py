@@ -3,11 +3,15 @@
     allocated(fenced) -> released -> draining -> scrubbing -> verified -> attested -> unfenced -> done
                                  \\-----------------\\-----------------------> failed (fence kept)
 
+The fences go before the attestation is written to the claim: the claim stays allocated (its devices out
+of the scheduler's reach) until then, and the resourceclaim controller's deallocation, which kube-scheduler
+acts on, then finds the devices unfenced.
+
 Crash safety: every transition is written to the checkpoint *before* the side effect that follows it,
 and every side effect is idempotent (create-if-absent, delete-if-present, patch guarded by `test` ops).
 The state in the checkpoint therefore names the next step to (re)do, and a restarted agent simply
 resumes: it re-ensures the fences of every teardown that may still be dirty, then carries on. A fence
-is deleted only in `unfenced`, which only follows a verified scrub and a signed attestation; the
+is deleted only in `attested`, which only follows a verified scrub and a signed attestation; the
 finalizer is removed only in `done`, after the claim carries an attestation that verifies for it.
 What a teardown fences is `Teardown.fenced()`: its devices and those sharing memory with them, all in
 the checkpoint before any of them is fenced.
@@ -542,6 +546,15 @@ class TeardownEngine:
         return State.ATTESTED, {"attestation": self.signer.sign(payload)}
 
     def _on_attested(self, td: Teardown) -> Outcome:
+        # Only reachable through a verified scrub and a signed attestation (see the module docstring).
+        self.fencer.lift(td, list(self.store.teardowns.values()))
+        if td.released_at is not None:
+            scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
+            self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
+        log.info("claim %s: %s verified clean; fence lifted", td.claim, ", ".join(d.key for d in td.devices))
+        return State.UNFENCED, {"reason": None}
+
+    def _on_unfenced(self, td: Teardown) -> Outcome:
         self._write_claim(
             td,
             {
@@ -550,15 +563,6 @@ class TeardownEngine:
                 names.ANNOTATION_SCRUB_STATUS: names.SCRUB_VERIFIED,
             },
         )
-        return State.UNFENCED, {"reason": None}
-
-    def _on_unfenced(self, td: Teardown) -> Outcome:
-        # Only reachable through a verified scrub and a signed attestation (see the module docstring).
-        self.fencer.lift(td, list(self.store.teardowns.values()))
-        if td.released_at is not None:
-            scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
-            self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
-        log.info("claim %s: %s verified clean; fence lifted", td.claim, ", ".join(d.key for d in td.devices))
         return State.DONE, {}
 
     def _on_done(self, td: Teardown) -> Outcome:

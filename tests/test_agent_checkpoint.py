@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import pytest
-from agent_support import make_node
+from agent_support import Crash, make_node
+from scrubgate.policies import names
 from scrubgate.sanitizer_agent import checkpoint as ck
 from scrubgate.sanitizer_agent.checkpoint import (
     CheckpointError,
@@ -74,7 +76,7 @@ def test_torn_temp_file_never_corrupts_the_real_one(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"version": 2, "node": "n1", "teardowns": {}}', "version 2; this agent reads version 1"),
+        ('{"version": 3, "node": "n1", "teardowns": {}}', "version 3; this agent reads versions 1 and 2"),
         ('{"node": "n1"}', "version None"),
         ("{not json", "is not JSON"),
         ('{"version": 1, "node": "n1", "teardowns": {"u": {"state": "sideways"}}}', "damaged"),
@@ -113,3 +115,32 @@ def test_write_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
     import stat
 
     assert [stat.S_ISREG(m) for m in synced] == [True, False], "the file, then its directory"
+
+
+def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
+    """Version 1 wrote the attestation before it lifted the fences: its `unfenced` still had them up. Read as
+    version 2's `unfenced` (fences lifted, attestation next) the fences would stand for ever."""
+    node = make_node(tmp_path)
+
+    def crash(_td, state):
+        if state == State.ATTESTED:
+            raise Crash("killed with the attestation signed, the fences up")
+
+    agent = node.agent(on_transition=crash)
+    agent.start()
+    with contextlib.suppress(Crash):
+        node.job_ends(agent)
+    data = json.loads(node.checkpoint.read_text())
+    (teardown,) = data["teardowns"].values()
+    data["version"], teardown["state"] = 1, "unfenced"
+    node.checkpoint.write_text(json.dumps(data))
+    assert node.fenced(0) and node.clean(0)
+
+    restarted = node.agent()
+    restarted.start()
+    node.settle(restarted)
+    assert not node.fenced(0) and restarted.store.teardowns == {}
+    claim = node.cluster.claims[("team-a", "job")]
+    assert names.ANNOTATION_ATTESTATION in claim["metadata"]["annotations"]
+    assert names.FINALIZER not in claim["metadata"]["finalizers"]
+    assert json.loads(node.checkpoint.read_text())["version"] == 2

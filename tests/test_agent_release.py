@@ -164,3 +164,55 @@ def test_the_attestation_is_written_as_an_update_of_the_claim(tmp_path):
     assert attesting[:1] == [("team-a", "job")], "the attestation went into the claim's own annotations"
     assert names.ANNOTATION_ATTESTATION in node.cluster.claims[("team-a", "job")]["metadata"]["annotations"]
     assert node.violations.found == []
+
+
+def test_a_claim_made_for_a_pod_that_had_ended_loses_the_finalizer_at_the_pod_event(tmp_path):
+    """kube-controller-manager deletes an ended pod's claim, makes a new one from the template (it does not
+    check that the pod ended), names it in the pod's status and deletes it. The webhook put our finalizer on
+    it; it never held a device. The pod's event, not the claim resync minutes later, lets it go."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "job-2", [])
+    stored = node.cluster.claims[("team-a", "job-2")]
+    del stored["status"]["allocation"]
+    node.cluster.delete_claim("team-a", "job-2")  # deletionTimestamp set, held by our finalizer
+    pod = node.cluster.add_pod("team-a", "job-pod", NODE, ["job-2"])
+    lists = node.cluster.calls.count("list_claims")
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    assert ("team-a", "job-2") not in node.cluster.claims, "finalizer removed, the claim went"
+    assert node.cluster.calls.count("list_claims") == lists, "no claim resync needed"
+    assert agent.store.teardowns == {} and not node.cluster.rules
+
+
+def test_a_running_pods_claim_being_deleted_before_allocation_keeps_the_finalizer_until_the_pod_ends(tmp_path):
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "pending", [])
+    del node.cluster.claims[("team-a", "pending")]["status"]["allocation"]
+    node.cluster.delete_claim("team-a", "pending")
+    pod = node.cluster.add_pod("team-a", "pending-pod", NODE, ["pending"])
+    agent.observe_pod("ADDED", pod)
+    assert names.FINALIZER in node.cluster.claims[("team-a", "pending")]["metadata"]["finalizers"]
+
+
+def test_a_pods_end_is_read_once_not_at_each_of_its_events(tmp_path):
+    """A pod's end comes as several watch events (Succeeded, deletionTimestamp, DELETED): the claim is read for
+    the first, which releases it; the others change nothing and cost no API call."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    reads = node.cluster.calls.count("get_claim")
+    done = node.finish(pod, controller=False)
+    agent.observe_pod("MODIFIED", done)
+    assert node.cluster.calls.count("get_claim") == reads + 1
+    deleting = copy.deepcopy(done)
+    deleting["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    agent.observe_pod("MODIFIED", deleting)
+    agent.observe_pod("DELETED", node.cluster.delete_pod(pod["metadata"]["uid"]))
+    assert node.cluster.calls.count("get_claim") == reads + 1, "no read for the end's later events"
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules

@@ -134,10 +134,10 @@ def test_the_lifecycle_it_printed_is_in_the_api_servers_history(demo: Run) -> No
 
     # Step 7: the resourceVersion order it printed.
     order = demo.detail(
-        r"attested (\d+) < deallocated (\d+) and fence lifted (\d+) < (team-b)/(\S+) allocated \S+ (\d+)"
+        r"fence lifted (\d+) < \S+ attested (\d+) < deallocated (\d+) < (team-b)/(\S+) allocated \S+ (\d+)"
     ).groups()
-    attested, deallocated, lifted, reallocated = (int(order[i]) for i in (0, 1, 2, 5))
-    assert attested < deallocated < reallocated and attested < lifted < reallocated
+    lifted, attested, deallocated, reallocated = (int(order[i]) for i in (0, 1, 2, 5))
+    assert lifted < attested < deallocated < reallocated
     by_rv = {v["rv"]: v["obj"] for v in versions}
     assert not (by_rv[deallocated].get("status") or {}).get("allocation")
     # Allocated in every version before the one it printed: never deallocated before the attestation.

@@ -113,7 +113,8 @@ def test_lifecycle(lifecycle_cluster: Cluster, version: str) -> None:
     lifted = first(fences, lambda e: e.type == "DELETED")
     deleted = first(history, lambda e: e.type == "DELETED")
     reallocated = first(claim_history(cluster, next_claim["metadata"]["uid"]), is_allocated)
-    assert allocated < fenced < attested < lifted < reallocated, (allocated, fenced, attested, lifted, reallocated)
+    # The fence goes before the attestation lands: the deallocation it allows is what wakes the scheduler.
+    assert allocated < fenced < lifted < attested < reallocated, (allocated, fenced, lifted, attested, reallocated)
     assert attested < deleted
     assert not any(r["metadata"]["name"] in {e.obj["metadata"]["name"] for e in fences} for r in cluster.taint_rules())
 
