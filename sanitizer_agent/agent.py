@@ -148,10 +148,14 @@ class Agent:
             if td.released_at is not None
         }
         version = with_retries("DeviceTaintRule discovery", self.cluster.device_taint_rule_version)
-        fencer = Fencer(self.cluster, self.node, version, self.metrics)
-        if self._fence_pool is not None:
-            pool = self._fence_pool
-            fencer.each = lambda call, items: list(pool.map(call, items))  # type: ignore[method-assign]
+        pool = self._fence_pool
+        fencer = Fencer(
+            self.cluster,
+            self.node,
+            version,
+            self.metrics,
+            (lambda call, items: list(pool.map(call, items))) if pool else None,
+        )
         self._engine = TeardownEngine(
             node=self.node,
             store=self.store,
@@ -163,9 +167,8 @@ class Agent:
             settings=self.settings.teardown,
             clock=self.clock,
             on_transition=self.on_transition,
+            schedule=(lambda td: self._submit(td, lambda: self.engine.advance(td), "advance")) if self._lanes else None,
         )
-        if self._lanes is not None:
-            self._engine.schedule = lambda td: self._submit(td, lambda: self.engine.advance(td), "advance")
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()
@@ -186,23 +189,22 @@ class Agent:
 
     def _refresh_slices(self) -> None:
         with self._slices_lock:
-            self._refresh_slices_now()
-
-    def _refresh_slices_now(self) -> None:
-        self._slices_read = time.monotonic()
-        try:
-            self._slices = slice_devices(self.cluster.list_node_slices(self.node))
-        except ClusterError as exc:
-            log.warning("cannot list ResourceSlices of node %s (%s); keeping the last known devices", self.node, exc)
-            return
-        # A teardown that may be dirty fences what now shares memory with its devices (at start, this also
-        # covers teardowns begun while the slices could not be read). It calls the API only for a new fence,
-        # which is too urgent to wait out a teardown's backoff.
-        for td in self._teardowns():
+            self._slices_read = time.monotonic()
             try:
-                self.engine.cover_overlaps(td, self._slices)
+                self._slices = slice_devices(self.cluster.list_node_slices(self.node))
             except ClusterError as exc:
-                self._backoff(td, exc)
+                log.warning(
+                    "cannot list ResourceSlices of node %s (%s); keeping the last known devices", self.node, exc
+                )
+                return
+            # A teardown that may be dirty fences what now shares memory with its devices (at start, this also
+            # covers teardowns begun while the slices could not be read). It calls the API only for a new fence,
+            # which is too urgent to wait out a teardown's backoff.
+            for td in self._teardowns():
+                try:
+                    self.engine.cover_overlaps(td, self._slices)
+                except ClusterError as exc:
+                    self._backoff(td, exc)
 
     def _slice(self, key: DeviceKey) -> SliceDevice | None:
         """The device in this node's slices; an unknown one re-reads them (at most every few seconds, since
@@ -255,14 +257,16 @@ class Agent:
             self._live_pods.add(uid)
         for name in pod_claim_names(pod):
             known = self._find(namespace, name)
-            if known is not None and known.state == State.ALLOCATED and not finished:
-                continue
-            # A pod's end comes as several events (Succeeded, deletionTimestamp, DELETED): each of its claims is
-            # looked at once then, until what it shows settles the claim.
-            if finished and not self._first_look_at_end(uid, name):
-                continue
-            if known is not None and finished and known.state == State.ALLOCATED:
-                self._submit(known, lambda td=known: self._check_release(td), "check-release")  # its lane reads it
+            allocated = known is not None and known.state == State.ALLOCATED
+            if finished:
+                # A pod's end comes as several events (Succeeded, deletionTimestamp, DELETED): each of its claims
+                # is looked at once then, until what it shows settles the claim.
+                if not self._first_look_at_end(uid, name):
+                    continue
+                if allocated:
+                    self._submit(known, lambda td=known: self._check_release(td), "check-release")  # its lane reads
+                    continue
+            elif allocated:
                 continue
             try:
                 claim = self.cluster.get_claim(namespace, name)
@@ -283,9 +287,14 @@ class Agent:
                 else:
                     self._look_again_at_end(uid, name)
                 continue
-            td = self._track(claim)
-            if td is not None:
-                self._submit(td, lambda td=td, claim=claim: self._check_release(td, claim))
+            self._follow(claim)
+
+    def _follow(self, claim: dict[str, Any]) -> None:
+        """Tracks the claim (fenced on first sight of its allocation here) and checks in its lane whether it is
+        released."""
+        td = self._track(claim)
+        if td is not None:
+            self._submit(td, lambda: self._check_release(td, claim))
 
     def _first_look_at_end(self, pod_uid: str, claim_name: str) -> bool:
         with self._lock:
@@ -330,9 +339,7 @@ class Agent:
                 continue
             if not any(key in self._slices for key in allocated_devices(claim)):
                 continue
-            td = self._track(claim)
-            if td is not None:
-                self._submit(td, lambda td=td, claim=claim: self._check_release(td, claim))
+            self._follow(claim)
 
     def _drop_finalizer(self, claim: dict[str, Any]) -> None:
         """A claim deleted before it ever held a device: nothing to scrub, and no agent will attest it, so its
@@ -630,9 +637,8 @@ class Agent:
             claim = self.cluster.get_claim(namespace, name)
         except ClusterError:
             return  # the event's own handling asks again
-        td = self._track(claim) if claim is not None else None
-        if td is not None:
-            self._submit(td, lambda: self._check_release(td, claim))
+        if claim is not None:
+            self._follow(claim)
 
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item

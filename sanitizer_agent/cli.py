@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_workers,
         default=16,
         help="claims torn down at once (drain, scrub, attestation, API writes), each in a thread; fencing new "
-        "allocations never waits for them (default 8; 0: one step at a time in the agent's loop)",
+        "allocations never waits for them (default %(default)s; 0: one step at a time in the agent's loop)",
     )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="agent_command", metavar="{status,rescrub}")

@@ -48,8 +48,18 @@ def label_value(text: str) -> str:
 
 
 class Fencer:
-    def __init__(self, cluster: ClusterClient, node: str, rule_version: str | None, metrics: AgentMetrics) -> None:
+    def __init__(
+        self,
+        cluster: ClusterClient,
+        node: str,
+        rule_version: str | None,
+        metrics: AgentMetrics,
+        each: Callable[[Callable[[Any], object], Iterable[Any]], object] | None = None,
+    ) -> None:
+        """`each(call, items)` makes the API call for every fenced device; by default one after the other (the
+        agent's lanes pass one that makes them side by side)."""
         self.cluster = cluster
+        self._each = each or _one_after_the_other
         self.node = node
         self.rule_version = rule_version
         self.metrics = metrics
@@ -66,12 +76,6 @@ class Fencer:
                 node,
                 names.TAINT_UNSANITIZED,
             )
-
-    def each(self, call: Callable[[Any], object], items: Iterable[Any]) -> None:
-        """`call` for every item (a fence of each device), one after the other; the agent's lanes make it
-        side by side (`Agent.start`)."""
-        for item in items:
-            call(item)
 
     @property
     def weak(self) -> bool:
@@ -96,7 +100,7 @@ class Fencer:
     def fence(self, td: Teardown, tearing_down: bool) -> None:
         """Ensures the unsanitized fence: a rule per fenced device, or (weak mode, during teardown) the node taint."""
         if self.rule_version:
-            self.each(
+            self._each(
                 lambda device: self.cluster.create_device_taint_rule(
                     self.rule_version, self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
                 ),
@@ -124,7 +128,7 @@ class Fencer:
             if td.attempts:  # it failed at some point: scrub-failed rules may exist
                 for device in td.devices:
                     self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
-            self.each(
+            self._each(
                 lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule), td.fenced()
             )
             return
@@ -181,3 +185,8 @@ class Fencer:
             log.info("removed taint %s from node %s", key, self.node)
             return
         raise Conflict(f"node {self.node} kept changing while removing taint {key}; will retry", 409)
+
+
+def _one_after_the_other(call: Callable[[Any], object], items: Iterable[Any]) -> None:
+    for item in items:
+        call(item)

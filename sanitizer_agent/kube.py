@@ -258,6 +258,8 @@ class KubernetesClusterClient:
         return self._list("/api/v1/pods", [("fieldSelector", f"spec.nodeName={node}")])
 
     def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        from urllib3.exceptions import HTTPError
+
         query = [
             ("fieldSelector", f"spec.nodeName={node}"),
             ("watch", "true"),
@@ -265,8 +267,6 @@ class KubernetesClusterClient:
             ("resourceVersion", resource_version),
             ("timeoutSeconds", str(timeout_s)),
         ]
-        from urllib3.exceptions import HTTPError
-
         response = self._send("GET", "/api/v1/pods", query=query, stream=True, timeout_s=timeout_s + 10)
         try:
             for line in _lines(response):

@@ -141,6 +141,7 @@ class TeardownEngine:
         settings: TeardownSettings = TeardownSettings(),
         clock: Callable[[], float] = time.time,
         on_transition: TransitionHook | None = None,
+        schedule: Callable[[Teardown], None] | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -158,7 +159,7 @@ class TeardownEngine:
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
         # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
         # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
-        self.schedule: Callable[[Teardown], None] = self.advance
+        self.schedule: Callable[[Teardown], None] = schedule or self.advance
         self._scrubbing: dict[str, threading.Lock] = {}  # what `_scrub_of` keys a device by -> held meanwhile
         self._scrubbing_lock = threading.Lock()
 
