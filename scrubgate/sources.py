@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from . import fastyaml
+
 try:
     from yaml import CSafeLoader as _SafeLoader
 except ImportError:  # libyaml missing: correct, only slower
@@ -111,7 +113,7 @@ class Document:
     span: Span | None  # None: read as JSON, no line numbers below the top
     prefix: tuple[str | int, ...] = ()  # path of the object inside the document (items/N for List items)
     text: str | None = field(default=None, repr=False)  # the file text, for line numbers and --fix
-    node: yaml.Node | None = field(default=None, repr=False, compare=False)  # its tree, only while it is read
+    node: yaml.Node | fastyaml.Located | None = field(default=None, repr=False, compare=False)  # only while read
     lines: dict[str, int] | None = field(default=None, repr=False, compare=False)  # pointers located then
 
     def locate(self, json_pointers: Iterable[str]) -> None:
@@ -131,9 +133,11 @@ class Document:
             return (self.span.line if self.span is not None else 0) + 1
         return self._line_in(node, json_pointer)
 
-    def _line_in(self, top: yaml.Node, json_pointer: str) -> int:
+    def _line_in(self, top: yaml.Node | fastyaml.Located, json_pointer: str) -> int:
         """The line of `json_pointer` below `top`, the document's node (from any parse of it: lines are
         counted from its own)."""
+        if isinstance(top, fastyaml.Located):
+            return top.line_of([*self.prefix, *_split_pointer(json_pointer)])
         node, line = top, top.start_mark.line
         for part in [*self.prefix, *_split_pointer(json_pointer)]:
             if isinstance(node, yaml.MappingNode):
@@ -170,7 +174,8 @@ def _split_pointer(json_pointer: str) -> list[str | int]:
     if not json_pointer:
         return []
     return [
-        int(p) if p.isdigit() else p.replace("~1", "/").replace("~0", "~") for p in json_pointer.lstrip("/").split("/")
+        int(p) if p.isascii() and p.isdigit() else p.replace("~1", "/").replace("~0", "~")
+        for p in json_pointer.lstrip("/").split("/")
     ]
 
 
@@ -185,7 +190,7 @@ def _yaml_error(file: str, exc: yaml.YAMLError, chunk: str, line_offset: int) ->
     return InputError(file, line, message)
 
 
-Parsed = tuple[Any, Span | None, yaml.Node | None]  # a document's data, where it is and its node tree;
+Parsed = tuple[Any, Span | None, yaml.Node | fastyaml.Located | None]  # a document's data, where it is and its node;
 # (None, None, None) for one that cannot be read
 Settle = Callable[["Document"], None]  # told of each document while its node tree is at hand
 
@@ -311,7 +316,13 @@ def _parse_json(file: str, text: str) -> tuple[list[Parsed], list[InputError]]:
 
 def read_documents(file: str, text: str, settle: Settle | None = None) -> tuple[list[Document], list[InputError]]:
     """The file's objects and what cannot be read. `settle` is told of each object while its node tree is at
-    hand (it may `locate` lines then); after a syntax error the file is read again and told again."""
+    hand (it may `locate` lines then); after a syntax error the file is read again and told again, as it is
+    when rapidyaml leaves the file to PyYAML (see fastyaml), even while it is being told."""
+    try:
+        parsed = [(data, Span(*span), node) for data, span, node in fastyaml.parse(text)]
+        return _documents(file, text, parsed, settle)
+    except fastyaml.Unsupported:
+        pass
     try:
         return _documents(file, text, _parse_chunk(text, 0, 0), settle)
     except (yaml.YAMLError, RecursionError):
