@@ -44,21 +44,35 @@ _LEAVE_OTHER = re.compile("[^\n\r\x20-\x7e\xa0-\ud7ff\ue000-\ufefe\uff00-\ufffd\
 _LONE_CR = re.compile("\r(?!\n)")
 
 
-def _yaml11_non_strings() -> str:
-    """PyYAML's patterns for plain scalars it reads as anything but a string (bool, int, float, null,
-    timestamp, merge, value), as one pattern of a string's content."""
-    patterns = {
-        regexp.pattern
+def _yaml11_patterns() -> dict[str, str]:
+    """PyYAML's patterns for plain scalars it reads as anything but a string, by tag (bool, int, float, null,
+    timestamp, merge, value; `yaml`, for `!&*`, is PyYAML's own note that no plain scalar starts so), each as
+    a pattern of a string's content, verbose as PyYAML writes them."""
+    return {
+        tag.rpartition(":")[2]: regexp.pattern.strip().removeprefix("^").removesuffix("$")
         for resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.values()
-        for _tag, regexp in resolvers
+        for tag, regexp in resolvers
     }
-    return "|".join(f"(?:{p.strip().removeprefix('^').removesuffix('$')})" for p in sorted(patterns))
 
 
-# A JSON string whose content YAML 1.1 would read as something else were it a plain scalar. Matches that start
-# inside a string (at an escaped quote) only send more to PyYAML; none can hide a string that follows.
-# The lookahead skips, at C speed, the strings that start with no character any of those patterns starts with.
-_SUSPECT = re.compile(f'"(?=[-+.0-9yYnNtTfFoO~<="])((?x:{_yaml11_non_strings()}))"(:?)')
+def _suspect() -> re.Pattern[str]:
+    """A JSON string whose content YAML 1.1 would read as something else were it a plain scalar, then `:` if it
+    is a key. The lookahead skips, at C speed, the strings that cannot match: words that are not booleans or
+    nulls, and what starts with none of the characters PyYAML's other patterns start with. A match that starts
+    inside a string (at an escaped quote) only sends more to PyYAML; none can hide a string that follows."""
+    patterns = _yaml11_patterns()
+    words = "|".join(f"(?:{patterns[tag]})" for tag in ("bool", "null"))
+    firsts = {
+        first
+        for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
+        if first and any(tag.rpartition(":")[2] not in ("bool", "null") for tag, _ in resolvers)
+    }
+    anything = "|".join(f"(?:{pattern})" for _, pattern in sorted(patterns.items()))
+    lookahead = f'(?=[{re.escape("".join(sorted(firsts)))}]|(?x:{words})")'
+    return re.compile(f'"{lookahead}((?x:{anything}))"(:?)')
+
+
+_SUSPECT = _suspect()
 # What rapidyaml writes unquoted when plain: a string with this content was quoted in the text.
 _WRITTEN_BARE = re.compile(r"-?(?:0|[1-9][0-9]*)|true|false|null|")
 
@@ -146,22 +160,27 @@ class _Buffer:
         """The offset at which PyYAML's node for `node` starts (its start mark): a container's first scalar, or
         its opening bracket; a block scalar's indicator."""
         tree = self.tree
-        if tree.is_map(node) or tree.is_seq(node):
+        kind = tree.type(node)  # one call into rapidyaml, then bits
+        if kind & (ryml.MAP | ryml.SEQ):
             child = tree.first_child(node)
             if child == ryml.NONE:
                 raise Unsupported("an empty collection")
-            offset = self.offset(tree.key(child)) if tree.is_map(node) else self.start(child)
-            if tree.is_flow(node):
-                offset = self.raw.rfind(b"{" if tree.is_map(node) else b"[", 0, offset)
+            offset = self.offset(tree.key(child)) if kind & ryml.MAP else self.start(child)
+            if kind & _FLOW:
+                offset = self.raw.rfind(b"{" if kind & ryml.MAP else b"[", 0, offset)
                 if offset < 0:
                     raise Unsupported("a flow collection without its bracket")
             return offset
         offset = self.offset(tree.val(node))
-        if tree.is_val_literal(node) or tree.is_val_folded(node):
+        if kind & _BLOCK_SCALAR:
             offset = max(self.raw.rfind(b"|", 0, offset), self.raw.rfind(b">", 0, offset))
             if offset < 0:
                 raise Unsupported("a block scalar without its indicator")
         return offset
+
+
+_FLOW = ryml.FLOW_SL | ryml.FLOW_ML
+_BLOCK_SCALAR = ryml.VAL_LITERAL | ryml.VAL_FOLDED
 
 
 @dataclass(slots=True)
@@ -176,14 +195,15 @@ class Located:
     def line_of(self, parts: Iterable[str | int]) -> int:
         """The 1-based line of the deepest node on `parts` that exists; for a mapping's value, its key's."""
         buffer, tree, node = self.buffer, self.buffer.tree, self.node
-        offset = buffer.start(node)
+        offset = self.start  # the document's own line, until a node below it is found
         for part in parts:
-            if tree.is_map(node):
+            kind = tree.type(node)
+            if kind & ryml.MAP:
                 child = tree.find_child(node, str(part).encode())
                 if child == ryml.NONE:
                     break
                 node, offset = child, buffer.offset(tree.key(child))
-            elif tree.is_seq(node) and isinstance(part, int) and 0 <= part < tree.num_children(node):
+            elif kind & ryml.SEQ and isinstance(part, int) and 0 <= part < tree.num_children(node):
                 node = tree.child(node, part)
                 offset = buffer.start(node)
             else:

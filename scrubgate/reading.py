@@ -113,16 +113,24 @@ def _missing_api_version(doc: Document) -> InputError:
 
 
 def read_all(files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool]) -> Iterator[Part]:
-    """The files read in their order, by one process per CPU where there are many."""
-    workers = min(cpus(), len(files) // FILES_PER_TASK)
-    if len(files) < PARALLEL_FILES or workers < 2 or STDIN in files:
+    """The files read in their order, by this process and one more per further CPU where there are many. This
+    process reads every CPU-th task itself, between taking the others' results: a task read here costs nothing
+    to send back, and no third process competes for two CPUs."""
+    workers = min(cpus(), len(files) // FILES_PER_TASK) - 1
+    if len(files) < PARALLEL_FILES or workers < 1 or STDIN in files:
         yield read_files(files, policy, overrides)
         return
     tasks = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
+    share = workers + 1
     context = multiprocessing.get_context("fork")  # the policy and the loaded modules come along for free
     with context.Pool(workers, initializer=_set_worker, initargs=(policy, overrides)) as pool:
-        for sent in pool.imap(_read_in_worker, tasks):
-            yield sent if isinstance(sent, Part) else _unpack(sent)
+        sent = pool.imap(_read_in_worker, [task for i, task in enumerate(tasks) if i % share])
+        for i, task in enumerate(tasks):
+            if i % share == 0:
+                yield read_files(task, policy, overrides)
+            else:
+                part = next(sent)
+                yield part if isinstance(part, Part) else _unpack(part)
 
 
 def cpus() -> int:

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -410,17 +411,29 @@ def manifests_under(directory: str) -> list[str]:
 def read_text(file: str) -> str | InputError:
     """The file's text, or the reason it cannot be read."""
     try:
-        if file == STDIN:
-            data = sys.stdin.buffer.read()
-        else:
-            with open(file, "rb") as stream:
-                data = stream.read()
+        data = sys.stdin.buffer.read() if file == STDIN else _read_bytes(file)
     except OSError as exc:
         return InputError(display_name(file), None, f"cannot read: {exc.strerror or exc}")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         return InputError(display_name(file), None, f"not UTF-8 text (byte {exc.start}): is this a manifest?")
+
+
+def _read_bytes(file: str) -> bytes:
+    """The file's bytes, through the system calls alone: for thousands of small files, a Python file object
+    each costs a third of reading them."""
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        status = os.fstat(fd)
+        size = status.st_size + 1  # one more: a regular file read short has ended, no empty read needed
+        chunks = [os.read(fd, size)]
+        if not stat.S_ISREG(status.st_mode) or len(chunks[0]) == size:  # a pipe, or a file that grew
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def display_name(file: str) -> str:
