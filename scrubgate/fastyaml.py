@@ -9,8 +9,8 @@ parser) YAML 1.1, and it keeps no tags; so a file goes to PyYAML (`Unsupported`)
 - a plain scalar that YAML 1.1 reads as something other than a string (`yes`, `012`, `1_000`, `2025-01-01`,
   `~`, `<<`, ...) where rapidyaml wrote a string, a key that YAML 1.1 could read as anything but a string, or
   any float (rapidyaml writes `1e3` and `-.5` as numbers, YAML 1.1 reads both as strings);
-- an alias (a string starting with `*`), a document that is not a non-empty mapping, or a line this module
-  cannot place as PyYAML does.
+- an anchor or alias, text rapidyaml reads on where libyaml refuses it (found by fuzzing; see `_LENIENT`), a
+  document that is not a non-empty mapping, or a line this module cannot place as PyYAML does.
 
 Lines come from where rapidyaml's scalars lie in the parsed buffer, found along a finding's path only.
 """
@@ -42,6 +42,22 @@ class Unsupported(Exception):
 _LEAVE_ASCII = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f!]")  # one class: searched at C speed
 _LEAVE_OTHER = re.compile("[^\n\r\x20-\x7e\xa0-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]|[!\u2028\u2029]")
 _LONE_CR = re.compile("\r(?!\n)")
+# Where rapidyaml reads on and YAML 1.1 (or libyaml) refuses or reads otherwise, as fuzzing both showed, at a
+# place where a scalar may start (a line's first character; after `- ` or `: `; in a flow collection, after
+# its bracket or a comma): a directive (`%YAML 2.0` is refused); a reserved backtick or `@`; `]`, `}`, `,` or
+# `:` in block context; an anchor or alias (names differ: `&a:` is an anchor and a key for libyaml), so no
+# alias is left for the JSON to hide; in a flow collection, any indicator, `- `, and `:` right before a flow
+# indicator or `?`. Also a flow collection left open at the end of its line, and `- ` after a quoted scalar
+# on its line. Inside a scalar these characters are characters like others. Valid JSON is let through (its
+# lines start and end with brackets), since `json` has read it strictly first.
+_LENIENT = re.compile(
+    r"(?:^[ ]*|- +|: +)[\]},%@`:&*]"
+    r"|[\[{,][ ]*(?:[?:%@`&*|>!]|-\s)|:[,\[\]{}?]"
+    r"|[\[{][^\]}\n]*$"
+    r"|[\"'] +- ",
+    re.MULTILINE,
+)
+_COMMENT = re.compile(r"(?:^|[ ])#.*$", re.MULTILINE)  # what a comment says is no YAML to look at
 
 
 def _yaml11_patterns() -> dict[str, str]:
@@ -220,6 +236,8 @@ def parse(text: str) -> list[Parsed]:
         raise Unsupported("text PyYAML reads otherwise")
     if not text:
         return []
+    if _LENIENT.search(_COMMENT.sub("", text) if "#" in text else text) and not _strict_json(text):
+        raise Unsupported("text where rapidyaml is more lenient than YAML")
     raw = text.encode()
     data = bytearray(raw)
     tree = ryml.Tree()
@@ -231,6 +249,16 @@ def parse(text: str) -> list[Parsed]:
             raise Unsupported(f"rapidyaml cannot read it: {exc.msg}") from None
     buffer = _Buffer(raw, data, tree, ctypes.addressof(ctypes.c_char.from_buffer(data)))
     return _placed(text, buffer, documents)
+
+
+def _strict_json(text: str) -> bool:
+    if text.lstrip()[:1] not in ("{", "["):
+        return False
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _documents(tree: Any) -> list[int]:
@@ -252,8 +280,6 @@ def _document(tree: Any, node: int) -> tuple[Any, int]:
     for match in _SUSPECT.finditer(written):
         if match[2] or not _WRITTEN_BARE.fullmatch(match[1]):
             raise Unsupported(f"a scalar YAML 1.1 may read otherwise: {match[1]!r}")
-    if '"*' in written:
-        raise Unsupported("an alias")
     try:
         return _decode(written), node
     except (ValueError, RecursionError) as exc:  # rapidyaml wrote what JSON is not (`+1`, `0x1F`): PyYAML's call

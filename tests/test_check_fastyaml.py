@@ -4,6 +4,7 @@ spans and the line of every path, and leaves to PyYAML every text where YAML 1.1
 from __future__ import annotations
 
 import contextlib
+import random
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_every_manifest_we_have_reads_and_places_as_pyyaml_does():
         'env:\n- name: A\n  value: \'0\'\n- name: B\n  value: "true"\n- value: ""\n- value: null\n- value:\n',
         "seq:\n- |\n  literal\n- >-\n  folded\n-\n  after: a break\n- - nested\n  - seq\n- [flow, seq]\n- {flow: map}\n",
         "a: 'multi\n  line'\nb: \"dq\n\n  x\"\nc: plain\n  continued\nd: |+\n  kept\n\ne: x\n",
-        "'quoted key': 1\n\"dq key\": 2\nk: v # comment\n? explicit\n: value\n",
+        "'quoted key': 1\n\"dq key\": 2\nk: v # a comment with `code` & [brackets\n",
         "a: 1\na: 2\nb: {x: 1, x: 2}\n",  # duplicate keys: the last value, the first key's line
         "big: 123456789012345678901234567890\nneg: -5\nzero: 0\nboolean: false\nnothing: ~x\n",
         "s: 'it''s'\nt: \"\\u00e9\\x41\\t\\\\\"\nu: C:\\path\nv: a\"b\n",
@@ -123,6 +124,68 @@ def test_text_the_fast_path_takes_reads_and_places_as_pyyaml_does(text):
 def test_text_where_yaml_1_1_may_differ_is_left_to_pyyaml(text):
     with pytest.raises(fastyaml.Unsupported):
         fastyaml.parse(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "%YAML 2.0\n---\na: b\n",  # PyYAML refuses the version
+        "a:\n- @x\n",  # reserved indicators
+        "a: `x`\n",
+        "kind: ]X\n",
+        "a: :x\n",
+        "spec:\n   & devices: 1\n",  # an anchor without a name
+        "resources:\n  &claims:\n  - name: mig\n",  # libyaml: anchor `claims`, then an empty key
+        "a: [?4, 5]\n",  # in flow, `?` is always a key indicator for YAML 1.1
+        "a: [4, 7ices:]\n",
+        "a: {name: :gpu}\n",
+        "a: {name:? a}\n",
+        "verbs: [create,% delete]\n",
+        "metadata: {name\n  space: t}\n",  # a flow collection over lines
+        'args:\n- "8"            - --report-bindings\n',
+    ],
+)
+def test_text_rapidyaml_reads_more_leniently_than_yaml_is_left_to_pyyaml(text):
+    # Found by fuzzing manifests: rapidyaml reads on where PyYAML (libyaml) refuses or reads otherwise.
+    with pytest.raises(fastyaml.Unsupported):
+        fastyaml.parse(text)
+
+
+def test_mutated_manifests_are_read_as_pyyaml_reads_them_or_left_to_it():
+    """Real manifests with characters inserted, removed and copied at random (seeded): where the fast path
+    reads one, PyYAML reads the same documents, and never refuses it."""
+    rng = random.Random(13)
+    texts = [path.read_text() for path in manifests()]
+    pieces = [*" :-[]{}'\"#|>\n,?&*%@`", "  ", "\n  ", ": ", "- ", "---\n", "..."]
+    taken = 0
+    for _ in range(1500):
+        text = rng.choice(texts)
+        for _ in range(rng.randint(1, 3)):
+            at, roll = rng.randrange(len(text) + 1), rng.random()
+            if roll < 0.5:
+                text = text[:at] + rng.choice(pieces) + text[at:]
+            elif roll < 0.8:
+                text = text[:at] + text[at + rng.randint(1, 3) :]
+            else:
+                start = rng.randrange(len(text) + 1)
+                text = text[:at] + text[start : start + 5] + text[at:]
+        try:
+            fast = [data for data, _, _ in fastyaml.parse(text)]
+        except fastyaml.Unsupported:
+            continue
+        taken += 1
+        try:
+            slow = [data for data, _, _ in _parse_chunk(text, 0, 0)]
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise AssertionError(f"PyYAML refuses what the fast path read: {exc}\n{text}") from None
+        assert fast == slow, text
+    assert taken > 300
+
+
+def test_valid_json_takes_the_fast_path_though_its_lines_start_with_brackets():
+    text = '{\n  "kind": "Pod",\n  "spec": {\n    "containers": [\n      {"name": "c"}\n    ]\n  }\n}\n'
+    assert_read_as_pyyaml_reads(text)
+    assert fastyaml.parse(text)[0][0]["spec"]["containers"] == [{"name": "c"}]
 
 
 def test_an_empty_scalar_on_the_path_leaves_the_file_to_pyyaml():
