@@ -41,7 +41,9 @@ class State(StrEnum):
     # deallocation (allowed once the attestation is on the claim) comes after the fences went: kube-scheduler
     # retries a pod waiting for a device when a claim is deallocated, not when a DeviceTaintRule is deleted.
     UNFENCED = "unfenced"
-    DONE = "done"  # attestation written; next: remove the finalizer, then forget the teardown
+    # Attestation written, and the finalizer removed by the same patch where the attestation held; next:
+    # remove the finalizer if it is still there (a crash, a claim that changed), then forget the teardown.
+    DONE = "done"
     FAILED = "failed"  # fence kept, scrub-failed taint added; retried with backoff, then an operator
 
 

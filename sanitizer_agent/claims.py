@@ -185,7 +185,7 @@ def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[
 def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> list[dict[str, Any]] | None:
     """JSON patch removing `scrubgate.dev/sanitize`, failing if the claim changed since it was read (UID,
     resourceVersion, finalizers, or the attestation it carries, unless None: a claim that never held a
-    device); None when the finalizer is not there."""
+    device, or a patch that writes the attestation itself); None when the finalizer is not there."""
     meta = _meta(claim)
     finalizers = _list(meta.get("finalizers"))
     if names.FINALIZER not in finalizers:

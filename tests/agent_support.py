@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from memcluster import InMemoryCluster
 from scrubgate.policies import names
@@ -292,7 +293,8 @@ def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple
 
 def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
     """Before every API call: a fence is deleted only from a clean device; the finalizer is removed only
-    from a claim carrying an attestation that verifies for it."""
+    from a claim that carries, once the patch is applied (as the webhook judges it), an attestation that
+    verifies for it."""
     by_rule: dict[str, list[int]] = {}  # rule -> the device it selects, then those whose memory it shares
 
     def check(operation: str, args: tuple[Any, ...]) -> None:
@@ -314,6 +316,10 @@ def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
             claim = node.cluster.claims.get((namespace, name))
             # A claim deleted before it held a device owes no scrub (the webhook lets its finalizer go).
             if removes and claim is not None and not deleted_before_allocation(claim):
+                try:
+                    claim = jsonpatch.apply_patch(claim, ops)
+                except jsonpatch.JsonPatchException:
+                    return  # its tests fail: the API server refuses it
                 token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION, "")
                 try:
                     # Every GPU it holds (a device of another driver, a NIC say, is not scrubbed).

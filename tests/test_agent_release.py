@@ -141,10 +141,12 @@ def test_devices_the_agent_cannot_scrub_are_left_alone_and_said_once(tmp_path, c
     assert any("channel-0" in m and "compute-domain.nvidia.com" in m for m in said)
 
 
-def test_the_attestation_is_written_as_an_update_of_the_claim(tmp_path):
+def test_the_attestation_and_the_finalizers_removal_are_one_update_of_the_claim(tmp_path):
     """The resourceclaim controller requeues a claim on any update of it, so its refused deallocation is retried
     right after the attestation lands, not at the end of its backoff (up to 1000 s): the attestation must be a
-    write of the claim object itself (its annotations), not of a status or another object."""
+    write of the claim object itself (its annotations), not of a status or another object. The same write
+    removes the finalizer: a second update right after it would fail the controller's deallocation with a
+    conflict (it acts on the first), and put the claim back into its backoff."""
     node = make_node(tmp_path)
     writes: list[tuple[str, str, list[dict]]] = []
     monitor = node.cluster.hook
@@ -160,9 +162,12 @@ def test_the_attestation_is_written_as_an_update_of_the_claim(tmp_path):
     node.job_ends(agent)
     node.settle(agent)
     key = "/metadata/annotations/" + names.ANNOTATION_ATTESTATION.replace("/", "~1")
-    attesting = [(ns, name) for ns, name, ops in writes if any(op["path"] == key for op in ops)]
-    assert attesting[:1] == [("team-a", "job")], "the attestation went into the claim's own annotations"
-    assert names.ANNOTATION_ATTESTATION in node.cluster.claims[("team-a", "job")]["metadata"]["annotations"]
+    attesting = [(ns, name, ops) for ns, name, ops in writes if any(op["path"] == key for op in ops)]
+    assert [(ns, name) for ns, name, _ in attesting] == [("team-a", "job")], "into the claim's own annotations"
+    assert writes[-1][2] is attesting[0][2], "no write of the claim after it"
+    assert any(op["path"] == "/metadata/finalizers" for op in attesting[0][2])
+    claim = node.cluster.claims[("team-a", "job")]["metadata"]
+    assert names.ANNOTATION_ATTESTATION in claim["annotations"] and names.FINALIZER not in claim["finalizers"]
     assert node.violations.found == []
 
 
