@@ -50,14 +50,37 @@ _LONE_CR = re.compile("\r(?!\n)")
 # indicator or `?`. Also a flow collection left open at the end of its line, and `- ` after a quoted scalar
 # on its line. Inside a scalar these characters are characters like others. Valid JSON is let through (its
 # lines start and end with brackets), since `json` has read it strictly first.
-_LENIENT = re.compile(
-    r"(?:^[ ]*|- +|: +)[\]},%@`:&*]"
-    r"|[\[{,][ ]*(?:[?:%@`&*|>!]|-\s)|:[,\[\]{}?]"
-    r"|[\[{][^\]}\n]*$"
-    r"|[\"'] +- ",
-    re.MULTILINE,
+# Each pattern starts with a character Python's re looks for at C speed, and its repeats are possessive (no
+# backtracking): one pattern with alternatives would try each of them at every character, several times the
+# cost of the parse itself.
+_LENIENT_BLOCK = tuple(
+    re.compile(pattern) for pattern in (r"\n *+[\]},%@`:&*]", r"- ++[\]},%@`:&*]", r": ++[\]},%@`:&*]", r":[,\[\]{}?]")
 )
-_COMMENT = re.compile(r"(?:^|[ ])#.*$", re.MULTILINE)  # what a comment says is no YAML to look at
+_LENIENT_FLOW = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"\[ *+(?:[?:%@`&*|>!]|-\s)",
+        r"\{ *+(?:[?:%@`&*|>!]|-\s)",
+        r", *+(?:[?:%@`&*|>!]|-\s)",
+        r"\[[^\]}\n]*+\n",
+        r"\{[^\]}\n]*+\n",
+    )
+)
+_LENIENT_QUOTED = (re.compile(r'" ++- '), re.compile(r"' ++- "))
+_COMMENT = re.compile(r"#(?<=[ \n]#)[^\n]*+")  # what a comment says is no YAML to look at
+
+
+def _lenient(text: str) -> bool:
+    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above)."""
+    padded = f"\n{text}\n"  # every line starts after a newline and ends with one
+    if "#" in text:
+        padded = _COMMENT.sub("", padded)
+    patterns = _LENIENT_BLOCK
+    if "[" in padded or "{" in padded:
+        patterns += _LENIENT_FLOW
+    if '"' in padded or "'" in padded:
+        patterns += _LENIENT_QUOTED
+    return any(pattern.search(padded) for pattern in patterns)
 
 
 def _yaml11_patterns() -> dict[str, str]:
@@ -236,7 +259,7 @@ def parse(text: str) -> list[Parsed]:
         raise Unsupported("text PyYAML reads otherwise")
     if not text:
         return []
-    if _LENIENT.search(_COMMENT.sub("", text) if "#" in text else text) and not _strict_json(text):
+    if _lenient(text) and not _strict_json(text):
         raise Unsupported("text where rapidyaml is more lenient than YAML")
     raw = text.encode()
     data = bytearray(raw)
