@@ -275,6 +275,8 @@ def parse(text: str) -> list[Parsed]:
 
 
 def _strict_json(text: str) -> bool:
+    """Whether the text is JSON, which the lenient places above (brackets opening and closing lines) do not
+    concern: `json` refuses what is not."""
     if text.lstrip()[:1] not in ("{", "["):
         return False
     try:

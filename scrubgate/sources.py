@@ -1,10 +1,10 @@
 """Reading manifests for `scrubgate check`: files, directories, stdin; multi-document YAML, JSON and
 `kind: List`, each object with where it is in the text, which gives its findings a line number.
 
-PyYAML's libyaml loader parses. A reader that checks documents as they are read (`scrubgate check`) locates
-the findings of each document while its node tree is at hand (`settle`), and the tree is then let go: keeping
-every document's tree would cost four times the memory. A line asked for later is found by parsing the
-document's text again.
+rapidyaml parses where it reads as PyYAML does (`fastyaml`), PyYAML's libyaml loader everywhere else. A reader
+that checks documents as they are read (`scrubgate check`) locates the findings of each document while its
+node tree is at hand (`settle`), and the tree is then let go: keeping every document's tree would cost four
+times the memory. A line asked for later is found by parsing the document's text again, with PyYAML.
 """
 
 from __future__ import annotations
