@@ -68,11 +68,17 @@ _LENIENT_FLOW = tuple(
 )
 _LENIENT_QUOTED = (re.compile(r'" ++- '), re.compile(r"' ++- "))
 _COMMENT = re.compile(r"#(?<=[ \n]#)[^\n]*+")  # what a comment says is no YAML to look at
+# PyYAML refuses a key more than 1,024 characters long (YAML's limit on implicit keys), rapidyaml reads it; a
+# key lies on one line, so a line that long is left to PyYAML.
+_LONG_LINE = re.compile(r"\n[^\n]{1025}")
 
 
 def _lenient(text: str) -> bool:
-    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above)."""
+    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above), or a line
+    long enough for a key PyYAML refuses."""
     padded = f"\n{text}\n"  # every line starts after a newline and ends with one
+    if len(text) > 1024 and _LONG_LINE.search(padded):
+        return True
     if "#" in text:
         padded = _COMMENT.sub("", padded)
     patterns = _LENIENT_BLOCK

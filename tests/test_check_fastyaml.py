@@ -143,6 +143,7 @@ def test_text_where_yaml_1_1_may_differ_is_left_to_pyyaml(text):
         "verbs: [create,% delete]\n",
         "metadata: {name\n  space: t}\n",  # a flow collection over lines
         'args:\n- "8"            - --report-bindings\n',
+        "a" * 1025 + ": b\n",  # PyYAML refuses a key over 1,024 characters
     ],
 )
 def test_text_rapidyaml_reads_more_leniently_than_yaml_is_left_to_pyyaml(text):
