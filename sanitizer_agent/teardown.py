@@ -386,7 +386,7 @@ class TeardownEngine:
                 # Admission refused the release (a webhook that does not trust this agent's key, say): the
                 # attestation and `verified` still go on the claim, for the operator to see; `done` retries.
                 log.warning("claim %s: finalizer removal refused, writing the attestation alone: %s", td.claim, exc)
-                release = False
+                return self._write_claim(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
 
     def _announce(self, td: Teardown, status: str, extra: dict[str, str] | None = None) -> None:

@@ -54,7 +54,17 @@ _LONE_CR = re.compile("\r(?!\n)")
 # backtracking): one pattern with alternatives would try each of them at every character, several times the
 # cost of the parse itself.
 _LENIENT_BLOCK = tuple(
-    re.compile(pattern) for pattern in (r"\n *+[\]},%@`:&*]", r"- ++[\]},%@`:&*]", r": ++[\]},%@`:&*]", r":[,\[\]{}?]")
+    re.compile(pattern)
+    for pattern in (
+        r"\n *+[\]},%@`:&*?]",
+        r"- ++[\]},%@`:&*?]",
+        r": ++[\]},%@`:&*?]",
+        r"\? ++[\]},%@`:&*?]",
+        r":[,\[\]{}?%@`&*]",
+        r"\n *+\.\.\.",  # a document end marker: libyaml wants `---` before more content
+        r"\|[-+]?[0-9]|>[-+]?[0-9]",  # a block scalar's indentation indicator (and what may follow it)
+        r"\\\r?\n",  # an escaped line break in a double-quoted scalar
+    )
 )
 _LENIENT_FLOW = tuple(
     re.compile(pattern)
@@ -67,20 +77,25 @@ _LENIENT_FLOW = tuple(
     )
 )
 _LENIENT_QUOTED = (re.compile(r'" ++- '), re.compile(r"' ++- "))
-_COMMENT = re.compile(r"#(?<=[ \n]#)[^\n]*+")  # what a comment says is no YAML to look at
+# What a comment line says is no YAML to look at. (Not a comment after a value: ` #` may be inside a quoted
+# scalar, and what follows it on the line would be hidden.)
+_COMMENT = re.compile(r"\n *+#[^\n]*+")
 # PyYAML refuses a key more than 1,024 characters long (YAML's limit on implicit keys), rapidyaml reads it; a
 # key lies on one line, so a line that long is left to PyYAML.
 _LONG_LINE = re.compile(r"\n[^\n]{1025}")
+# What libyaml refuses in JSON as well: an escaped surrogate (rapidyaml writes it out as bytes that are not
+# UTF-8), a key's `:` on the line after it.
+_EVEN_IN_JSON = (re.compile(r"\\u[dD][89a-fA-F]|\\U0000[dD][89a-fA-F]"), re.compile(r'"[ \t]*+\r?\n\s*+:'))
+# A key that starts with a space in what rapidyaml wrote: it took a line libyaml refuses (more indented than
+# its siblings, after a comment) for a key.
+_INDENTED_KEY = re.compile(r'" [^"\n]*+":')
 
 
 def _lenient(text: str) -> bool:
-    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above), or a line
-    long enough for a key PyYAML refuses."""
+    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above)."""
     padded = f"\n{text}\n"  # every line starts after a newline and ends with one
-    if len(text) > 1024 and _LONG_LINE.search(padded):
-        return True
     if "#" in text:
-        padded = _COMMENT.sub("", padded)
+        padded = _COMMENT.sub("\n", padded)
     patterns = _LENIENT_BLOCK
     if "[" in padded or "{" in padded:
         patterns += _LENIENT_FLOW
@@ -267,6 +282,10 @@ def parse(text: str) -> list[Parsed]:
         return []
     if _lenient(text) and not _strict_json(text):
         raise Unsupported("text where rapidyaml is more lenient than YAML")
+    if (len(text) > 1024 and _LONG_LINE.search(f"\n{text}")) or any(p.search(text) for p in _EVEN_IN_JSON):
+        raise Unsupported("a line longer than PyYAML allows a key, a surrogate, a key's `:` on the next line")
+    if not text.endswith("\n") and ("|" in text or ">" in text):
+        raise Unsupported("a block scalar may end the text without a line break, which rapidyaml adds")
     raw = text.encode()
     data = bytearray(raw)
     tree = ryml.Tree()
@@ -308,6 +327,8 @@ def _document(tree: Any, node: int) -> tuple[Any, int]:
     if not (tree.is_map(node) and tree.num_children(node)):
         raise Unsupported("a document that is not a mapping")
     written = ryml.emit_json_malloc(tree, node)
+    if _INDENTED_KEY.search(written):
+        raise Unsupported("a key that starts with a space")
     for match in _SUSPECT.finditer(written):
         if match[2] or not _WRITTEN_BARE.fullmatch(match[1]):
             raise Unsupported(f"a scalar YAML 1.1 may read otherwise: {match[1]!r}")

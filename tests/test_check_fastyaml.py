@@ -73,14 +73,14 @@ def test_every_manifest_we_have_reads_and_places_as_pyyaml_does():
     "text",
     [
         "a: 1\r\nb:\r\n  c: [x, y]\r\n",  # CRLF
-        "# header\n\n---\n# c\napiVersion: v1\nkind: ConfigMap\ndata: {k: v}\n...\n---\n---\nkind: X\nx: y\n",
+        "# header\n\n---\n# c\napiVersion: v1\nkind: ConfigMap\ndata: {k: v}\n---\n---\nkind: X\nx: y\n",
         "name: café\nlabels:\n  é: ü\n---\nnext: 文字\nlist:\n- 1\n- ü\n",  # non-ASCII: str offsets, not bytes
         '{\n  "apiVersion": "v1",\n  "kind": "Pod",\n  "spec": {"containers": [{"name": "c"}]}\n}\n',
         "--- {a: 1, b: [2, 3]}\n--- {c: {d: e}}\n",
         'env:\n- name: A\n  value: \'0\'\n- name: B\n  value: "true"\n- value: ""\n- value: null\n- value:\n',
         "seq:\n- |\n  literal\n- >-\n  folded\n-\n  after: a break\n- - nested\n  - seq\n- [flow, seq]\n- {flow: map}\n",
         "a: 'multi\n  line'\nb: \"dq\n\n  x\"\nc: plain\n  continued\nd: |+\n  kept\n\ne: x\n",
-        "'quoted key': 1\n\"dq key\": 2\nk: v # a comment with `code` & [brackets\n",
+        "'quoted key': 1\n\"dq key\": 2\n  # a comment line with `code` & [brackets\nk: v # a comment\n",
         "a: 1\na: 2\nb: {x: 1, x: 2}\n",  # duplicate keys: the last value, the first key's line
         "big: 123456789012345678901234567890\nneg: -5\nzero: 0\nboolean: false\nnothing: ~x\n",
         "s: 'it''s'\nt: \"\\u00e9\\x41\\t\\\\\"\nu: C:\\path\nv: a\"b\n",
@@ -144,10 +144,22 @@ def test_text_where_yaml_1_1_may_differ_is_left_to_pyyaml(text):
         "metadata: {name\n  space: t}\n",  # a flow collection over lines
         'args:\n- "8"            - --report-bindings\n',
         "a" * 1025 + ": b\n",  # PyYAML refuses a key over 1,024 characters
+        '{"' + "k" * 1100 + '": 1}\n',  # also in JSON
+        '{"a"\n: 1}\n',
+        'a: "\\ud83d\\ude00"\n',  # an escaped surrogate (pair)
+        "data:\n  run.sh: |\n    echo hi",  # a block scalar ending the text without a line break
+        "k: |1\n  \nz: 1\n",  # an indentation indicator
+        'a: "x\\\n\n  y"\n',  # an escaped line break
+        "apiVersion: v1\nkind: A\n...\nkind: B\n",  # content after `...`
+        "spec:\n  args:\n  - --foo  # a flag\n    image: nginx\n",  # over-indented after a comment
+        "? &x k\n? *x\n",  # an explicit key
+        'labels:\n  "app #": &n web\nselector:\n  "app #": *n\n',  # ` #` inside a quoted key
+        'a: {"k":&x v, "j":*x}\n',
     ],
 )
 def test_text_rapidyaml_reads_more_leniently_than_yaml_is_left_to_pyyaml(text):
-    # Found by fuzzing manifests: rapidyaml reads on where PyYAML (libyaml) refuses or reads otherwise.
+    # Found by fuzzing manifests and by review: rapidyaml reads on where PyYAML (libyaml) refuses or reads
+    # otherwise.
     with pytest.raises(fastyaml.Unsupported):
         fastyaml.parse(text)
 
