@@ -74,6 +74,8 @@ _LENIENT_FLOW = tuple(
         r", *+(?:[?:%@`&*|>!]|-\s)",
         r"\[[^\]}\n]*+\n",
         r"\{[^\]}\n]*+\n",
+        r"\[[^\n#]*+#(?<= #)",  # a comment after a flow collection opened on its line
+        r"\{[^\n#]*+#(?<= #)",
     )
 )
 _LENIENT_QUOTED = (re.compile(r'" ++- '), re.compile(r"' ++- "))

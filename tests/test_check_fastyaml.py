@@ -155,6 +155,7 @@ def test_text_where_yaml_1_1_may_differ_is_left_to_pyyaml(text):
         "? &x k\n? *x\n",  # an explicit key
         'labels:\n  "app #": &n web\nselector:\n  "app #": *n\n',  # ` #` inside a quoted key
         'a: {"k":&x v, "j":*x}\n',
+        "metadata: {namespa #ct, name: a}\n",  # a comment inside a flow collection
     ],
 )
 def test_text_rapidyaml_reads_more_leniently_than_yaml_is_left_to_pyyaml(text):
