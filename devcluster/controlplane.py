@@ -232,6 +232,14 @@ class ControlPlane:
             f"kube-apiserver's /readyz on {self.url}",
             interval=0.2,
         )
+        # After an outage, kube-controller-manager's and kube-scheduler's informers would list again only after
+        # client-go's reflector backoff (up to [30, 60) s after repeated failures, reset only after 2 minutes
+        # without one), and every test after this one would wait that out too, with its pods unscheduled and its
+        # claims never deallocated. Restarted, as a cluster restarts them once they lose their leader lease,
+        # they list at once.
+        for process in (self.controller_manager, self.scheduler):
+            if process.running:
+                process.restart()
 
     def stop_apiserver(self, crash: bool = False) -> None:
         """kill -9, or SIGTERM; returns once it no longer answers (a graceful shutdown may take a while longer to

@@ -106,14 +106,19 @@ def _lenient(text: str) -> bool:
     return any(pattern.search(padded) for pattern in patterns)
 
 
+# PyYAML's resolver for `!`, `&` and `*` (tag `yaml`) is its own note that no plain scalar can be one of them:
+# a string `"*"` (an RBAC rule's) was quoted.
+_NO_PLAIN_SCALAR = "yaml"
+
+
 def _yaml11_patterns() -> dict[str, str]:
     """PyYAML's patterns for plain scalars it reads as anything but a string, by tag (bool, int, float, null,
-    timestamp, merge, value; `yaml`, for `!&*`, is PyYAML's own note that no plain scalar starts so), each as
-    a pattern of a string's content, verbose as PyYAML writes them."""
+    timestamp, merge, value), each as a pattern of a string's content, verbose as PyYAML writes them."""
     return {
         tag.rpartition(":")[2]: regexp.pattern.strip().removeprefix("^").removesuffix("$")
         for resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.values()
         for tag, regexp in resolvers
+        if tag.rpartition(":")[2] != _NO_PLAIN_SCALAR
     }
 
 
@@ -127,7 +132,7 @@ def _suspect() -> re.Pattern[str]:
     firsts = {
         first
         for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
-        if first and any(tag.rpartition(":")[2] not in ("bool", "null") for tag, _ in resolvers)
+        if first and any(tag.rpartition(":")[2] not in ("bool", "null", _NO_PLAIN_SCALAR) for tag, _ in resolvers)
     }
     anything = "|".join(f"(?:{pattern})" for _, pattern in sorted(patterns.items()))
     lookahead = f'(?=[{re.escape("".join(sorted(firsts)))}]|(?x:{words})")'
