@@ -93,10 +93,10 @@ _EVEN_IN_JSON = (re.compile(r"\\u[dD][89a-fA-F]|\\U0000[dD][89a-fA-F]"), re.comp
 _INDENTED_KEY = re.compile(r'" [^"\n]*+":')
 
 
-def _lenient(text: str) -> bool:
-    """Whether the text holds a place where rapidyaml reads on and YAML 1.1 does not (see above)."""
-    padded = f"\n{text}\n"  # every line starts after a newline and ends with one
-    if "#" in text:
+def _lenient(padded: str) -> bool:
+    """Whether the text, a line break added before and after it (every line starts after one and ends with one),
+    holds a place where rapidyaml reads on and YAML 1.1 does not (see above)."""
+    if "#" in padded:
         padded = _COMMENT.sub("\n", padded)
     patterns = _LENIENT_BLOCK
     if "[" in padded or "{" in padded:
@@ -287,35 +287,38 @@ def parse(text: str) -> list[Parsed]:
         raise Unsupported("text PyYAML reads otherwise")
     if not text:
         return []
-    if _lenient(text) and not _strict_json(text):
-        raise Unsupported("text where rapidyaml is more lenient than YAML")
-    if (len(text) > 1024 and _LONG_LINE.search(f"\n{text}")) or any(p.search(text) for p in _EVEN_IN_JSON):
+    padded = f"\n{text}\n"
+    if (len(text) > 1024 and _LONG_LINE.search(padded)) or any(p.search(text) for p in _EVEN_IN_JSON):
         raise Unsupported("a line longer than PyYAML allows a key, a surrogate, a key's `:` on the next line")
-    if not text.endswith("\n") and ("|" in text or ">" in text):
-        raise Unsupported("a block scalar may end the text without a line break, which rapidyaml adds")
+    whole = _json_object(text)
+    if whole is None:
+        if _lenient(padded):
+            raise Unsupported("text where rapidyaml is more lenient than YAML")
+        if not text.endswith("\n") and ("|" in text or ">" in text):
+            raise Unsupported("a block scalar may end the text without a line break, which rapidyaml adds")
     raw = text.encode()
     data = bytearray(raw)
     tree = ryml.Tree()
     with _quiet_stderr():
         try:
             ryml.parse_in_place(data, tree)
-            documents = [_document(tree, node) for node in _documents(tree)]
+            documents = [_document(tree, node, whole) for node in _documents(tree)]
         except ryml.ExceptionBasic as exc:  # a syntax error, nesting deeper than rapidyaml writes out
             raise Unsupported(f"rapidyaml cannot read it: {exc.msg}") from None
     buffer = _Buffer(raw, data, tree, ctypes.addressof(ctypes.c_char.from_buffer(data)))
     return _placed(text, buffer, documents)
 
 
-def _strict_json(text: str) -> bool:
-    """Whether the text is JSON, which the lenient places above (brackets opening and closing lines) do not
-    concern: `json` refuses what is not."""
+def _json_object(text: str) -> Any:
+    """The text's data where it is JSON (None otherwise), read by `json` alone: JSON is read alike by YAML 1.1
+    but for floats (refused here as in `_document`), and the lenient places above (brackets opening and closing
+    lines) do not concern it, since `json` refuses what is not JSON."""
     if text.lstrip()[:1] not in ("{", "["):
-        return False
+        return None
     try:
-        json.loads(text)
+        return _decode(text)
     except (ValueError, RecursionError):
-        return False
-    return True
+        return None
 
 
 def _documents(tree: Any) -> list[int]:
@@ -327,12 +330,15 @@ def _documents(tree: Any) -> list[int]:
     return [root]
 
 
-def _document(tree: Any, node: int) -> tuple[Any, int]:
-    """The document's data, and its node; None for an empty document, which keeps its place."""
+def _document(tree: Any, node: int, whole: Any = None) -> tuple[Any, int]:
+    """The document's data, and its node; None for an empty document, which keeps its place. `whole`: the
+    text's data already read as JSON, for its one document."""
     if tree.is_doc(node) and tree.is_val(node) and tree.val_is_null(node):
         return None, node
     if not (tree.is_map(node) and tree.num_children(node)):
         raise Unsupported("a document that is not a mapping")
+    if whole is not None:
+        return whole, node
     written = ryml.emit_json_malloc(tree, node)
     if _INDENTED_KEY.search(written):
         raise Unsupported("a key that starts with a space")

@@ -146,6 +146,7 @@ def test_text_where_yaml_1_1_may_differ_is_left_to_pyyaml(text):
         "a" * 1025 + ": b\n",  # PyYAML refuses a key over 1,024 characters
         '{"' + "k" * 1100 + '": 1}\n',  # also in JSON
         '{"a"\n: 1}\n',
+        '{\n  "a": 1.5\n}\n',  # a float in JSON too
         'a: "\\ud83d\\ude00"\n',  # an escaped surrogate (pair)
         "data:\n  run.sh: |\n    echo hi",  # a block scalar ending the text without a line break
         "k: |1\n  \nz: 1\n",  # an indentation indicator
