@@ -20,7 +20,9 @@ the exit status does not depend on them.
 
 Prints a Markdown table, one column per --parallelism value. Release is the claim's reservedFor emptied;
 fences lifted is the last of its DeviceTaintRules deleted (its devices allocatable again); finalizer
-removed is the claim object released. Times come from the observer's watch of claims and fences.
+removed is the claim object released. Times come from the observer's watch of claims and fences; the
+kube-scheduler rows from its /metrics before and after the run (failed attempts, and the pods that
+ResourceSlice updates, DeviceTaintRules included, and claim updates put back into its queue).
 The invariant is part of the result: the script exits 1 when any run did not end clean (a violation,
 a canary found, a claim not torn down), and lists why.
 """

@@ -161,6 +161,7 @@ class ControlPlane:
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
         self.port = free_port()
+        self.scheduler_port = free_port()  # kube-scheduler's /metrics (its queue's counters)
         self.credentials: dict[str, Credential] = {}
         self.etcd = ManagedProcess("etcd", [], self.logs / "etcd.log")
         self.apiserver = ManagedProcess("kube-apiserver", [], self.logs / "kube-apiserver.log")
@@ -270,10 +271,12 @@ class ControlPlane:
         context.load_cert_chain(str(cred.cert), str(cred.key))
         return context
 
-    def get(self, path: str) -> tuple[int, str]:
-        """GET as the admin; (0, reason) when nothing answers."""
+    def get(self, path: str, port: int | None = None) -> tuple[int, str]:
+        """GET as the admin, from kube-apiserver or the component serving on `port`; (0, reason) when nothing
+        answers."""
+        base = f"https://127.0.0.1:{port}" if port else self.url
         try:
-            with urllib.request.urlopen(self.url + path, context=self.ssl_context(), timeout=5) as resp:
+            with urllib.request.urlopen(base + path, context=self.ssl_context(), timeout=5) as resp:
                 return resp.status, resp.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
@@ -356,11 +359,29 @@ class ControlPlane:
         )
 
     def _scheduler_argv(self) -> list[str]:
-        return self._component_argv("kube-scheduler", "scheduler")
+        # It serves with the API server's certificate, takes the cluster CA's client certificates (not looked up
+        # in kube-system: no front proxy here) and asks kube-apiserver who may read what (the admin: /metrics).
+        return self._component_argv(
+            "kube-scheduler",
+            "scheduler",
+            f"--tls-cert-file={self.pki.serving_cert}",
+            f"--tls-private-key-file={self.pki.serving_key}",
+            f"--client-ca-file={self.pki.ca_cert}",
+            "--authentication-skip-lookup",
+            secure_port=self.scheduler_port,
+        )
 
-    def _component_argv(self, binary: str, credential: str, *flags: str) -> list[str]:
+    def scheduler_metrics(self) -> str:
+        """kube-scheduler's /metrics (Prometheus text), read as the admin."""
+        status, body = self.get("/metrics", port=self.scheduler_port)
+        if status != 200:
+            raise HarnessError(f"GET kube-scheduler's /metrics on port {self.scheduler_port}: HTTP {status}: {body}")
+        return body
+
+    def _component_argv(self, binary: str, credential: str, *flags: str, secure_port: int = 0) -> list[str]:
         """A control-plane component with its own kubeconfig (for its API calls and for checking callers of its
-        own, disabled, serving port), no leader election, the same feature gates as the API server."""
+        own serving port, disabled unless `secure_port`), no leader election, the same feature gates as the API
+        server."""
         kubeconfig = self.credentials[credential].kubeconfig
         return [
             self.bins[binary],
@@ -375,6 +396,6 @@ class ControlPlane:
             ),
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
-            "--secure-port=0",
+            f"--secure-port={secure_port}",
             f"--feature-gates={self._feature_gates()}",
         ]

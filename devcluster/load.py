@@ -28,6 +28,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 from scrubgate.policies import names
 from scrubgate.policies.attestation import AttestationError, check_claim_attestation, claimed_devices
 
@@ -35,6 +36,7 @@ from . import workloads
 from .harness import Cluster
 from .kubelet import CANARY_FOUND
 from .observer import Observed
+from .processes import HarnessError
 
 RUN_LABEL = "devcluster.scrubgate.dev/load-run"
 CANARY_PREFIX = "SCRUBGATE-LOAD-CANARY-"
@@ -112,6 +114,8 @@ class LoadResult:
     violations: list[str]  # the observer's invariant check
     leftover_fences: list[str]  # fences of this run's claims still standing at the end
     agent_overhead: tuple[float, int] = (0.0, 0)  # the agent's teardown-overhead histogram: sum, count
+    # kube-scheduler's counters over the run (see `scheduler_counts`); None when its /metrics could not be read
+    scheduling: Counter[str] | None = None
     notes: list[str] = field(default_factory=list)  # what kept the run from completing in time
 
     @property
@@ -164,9 +168,21 @@ class LoadResult:
                 f"{1000 * overhead_sum / overhead_count:.0f} ms over {overhead_count}" if overhead_count else "n/a",
             ),
             ("devices reused by a later claim", str(self.reallocations)),
+            *self._scheduling_rows(),
             ("invariant violations (observer)", str(len(self.violations))),
             ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
             ("claims not ended clean", str(sum(bool(c.problems()) for c in self.claims))),
+        ]
+
+    def _scheduling_rows(self) -> list[tuple[str, str]]:
+        failed, moved = "n/a", "n/a"
+        if (counts := self.scheduling) is not None:
+            total = counts["attempts/unschedulable"]
+            failed = f"{total / max(len(self.claims), 1):.1f} ({total:.0f} in all)"
+            moved = f"{counts['requeued/' + SLICE_UPDATE]:.0f} / {counts['requeued/' + CLAIM_UPDATE]:.0f}"
+        return [
+            ("kube-scheduler: failed attempts per pod", failed),
+            ("kube-scheduler: pods requeued by ResourceSlice (fence) / claim updates", moved),
         ]
 
     def table(self) -> str:
@@ -181,6 +197,30 @@ def markdown_table(results: list[LoadResult]) -> str:
     for i, (metric, _) in enumerate(columns[0]):
         lines.append("| " + " | ".join([metric, *(column[i][1] for column in columns)]) + " |")
     return "\n".join(lines)
+
+
+# kube-scheduler 1.37 puts every pending DRA pod back to be retried on any ResourceSlice update, with no
+# queueing hint, and its ResourceSlice tracker reports each DeviceTaintRule created or deleted as an update of
+# the slices it taints; a claim update requeues them only when it deallocates (isSchedulableAfterClaimChange).
+SLICE_UPDATE = "resource.k8s.io/ResourceSliceUpdate"
+CLAIM_UPDATE = "resource.k8s.io/ResourceClaimUpdate"
+
+
+def scheduler_counts(cluster: Cluster) -> Counter[str] | None:
+    """kube-scheduler's schedule attempts by result (`attempts/<result>`) and pods put back into its queues by
+    event (`requeued/<event>`); None when its /metrics cannot be read."""
+    try:
+        text = cluster.control_plane.scheduler_metrics()
+    except HarnessError:
+        return None
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "scheduler_schedule_attempts_total":
+                counts[f"attempts/{sample.labels.get('result')}"] += sample.value
+            elif sample.name == "scheduler_queue_incoming_pods_total":
+                counts[f"requeued/{sample.labels.get('event')}"] += sample.value
+    return counts
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -212,11 +252,13 @@ class LoadRun:
             raise ValueError("the cluster has no tenants to run the load as")
         self.namespaces = [(f"load-{self.run_id}-{i}", tenants[i % len(tenants)]) for i in range(spec.namespaces)]
         self.outcomes: dict[tuple[str, str], ClaimOutcome] = {}  # by (namespace, pod)
+        self._scheduling_before: Counter[str] | None = None
         self.notes: list[str] = []
 
     def run(self) -> LoadResult:
         deadline = time.monotonic() + self.spec.timeout_s
         self._set_up()
+        self._scheduling_before = scheduler_counts(self.cluster)
         started = time.monotonic()
         if self._submit_all(deadline):
             self.progress(f"all {self.spec.claims} pods finished after {time.monotonic() - started:.1f}s")
@@ -373,6 +415,7 @@ class LoadRun:
             violations=cluster.observer.violations(cluster.public_keys),
             leftover_fences=leftover,
             agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
+            scheduling=_since(self._scheduling_before, scheduler_counts(cluster)),
             notes=self.notes,
         )
 
@@ -448,6 +491,13 @@ def reallocations(history: dict[str, list[Observed]]) -> int:
         reused += sum(d in held for d in devices)
         held.update(devices)
     return reused
+
+
+def _since(before: Counter[str] | None, after: Counter[str] | None) -> Counter[str] | None:
+    if before is None or after is None:
+        return None
+    after.subtract(before)
+    return after
 
 
 def _histogram(cluster: Cluster, name: str) -> tuple[float, int]:

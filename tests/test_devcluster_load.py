@@ -10,8 +10,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import sign
 
-from devcluster.load import ClaimOutcome, LoadSpec, ended_at, follow, percentile, reallocations
+from devcluster.load import (
+    ClaimOutcome,
+    LoadResult,
+    LoadSpec,
+    ended_at,
+    follow,
+    percentile,
+    reallocations,
+    scheduler_counts,
+)
 from devcluster.observer import Observed
+from devcluster.processes import HarnessError
 
 KEY = Ed25519PrivateKey.generate()
 KEYS = {"k": KEY.public_key()}
@@ -125,3 +135,52 @@ def test_percentiles_and_run_times() -> None:
 def test_a_pod_seen_only_running_has_not_ended() -> None:
     assert ended_at([pod(1, 1.0, "ADDED", "Pending"), pod(2, 2.0, "MODIFIED", "Running")]) is None
     assert ended_at([pod(1, 1.0, "ADDED", "Running"), pod(2, 3.0, "DELETED", "Running")]) == 3.0
+
+
+# What kube-scheduler 1.37 serves, cut down: counters by label, the same event in two queues.
+SCHEDULER_METRICS = """\
+# HELP scheduler_schedule_attempts_total [STABLE] Number of attempts to schedule pods, by the result.
+# TYPE scheduler_schedule_attempts_total counter
+scheduler_schedule_attempts_total{profile="default-scheduler",result="scheduled"} 200
+scheduler_schedule_attempts_total{profile="default-scheduler",result="unschedulable"} 3496
+# HELP scheduler_queue_incoming_pods_total [STABLE] Number of pods added to scheduling queues by event and queue type.
+# TYPE scheduler_queue_incoming_pods_total counter
+scheduler_queue_incoming_pods_total{event="resource.k8s.io/ResourceClaimUpdate",queue="backoff"} 582
+scheduler_queue_incoming_pods_total{event="resource.k8s.io/ResourceSliceUpdate",queue="backoff"} 2400
+scheduler_queue_incoming_pods_total{event="resource.k8s.io/ResourceSliceUpdate",queue="unschedulable"} 3354
+scheduler_queue_incoming_pods_total{event="UnscheduledPodAdd",queue="active"} 200
+"""
+
+
+class _ControlPlane:
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+
+    def scheduler_metrics(self) -> str:
+        if self.text is None:
+            raise HarnessError("GET kube-scheduler's /metrics on port 1: HTTP 0: connection refused")
+        return self.text
+
+
+class _Cluster:
+    def __init__(self, text: str | None) -> None:
+        self.control_plane = _ControlPlane(text)
+
+
+def test_the_schedulers_counters_are_read_by_result_and_by_event() -> None:
+    counts = scheduler_counts(_Cluster(SCHEDULER_METRICS))  # type: ignore[arg-type]
+    assert counts is not None
+    assert counts["attempts/scheduled"] == 200 and counts["attempts/unschedulable"] == 3496
+    assert counts["requeued/resource.k8s.io/ResourceSliceUpdate"] == 5754  # both queues
+    assert counts["requeued/resource.k8s.io/ResourceClaimUpdate"] == 582
+    assert scheduler_counts(_Cluster(None)) is None  # type: ignore[arg-type]
+
+
+def test_the_table_shows_the_schedulers_work_per_pod_or_says_it_was_not_read() -> None:
+    outcomes = [finished(ClaimOutcome("load", f"p{i}", "mig")) for i in range(200)]
+    result = LoadResult(LoadSpec(), 8, 7, 10.0, outcomes, 0, [], [])
+    assert ("kube-scheduler: failed attempts per pod", "n/a") in result.rows()
+    result.scheduling = scheduler_counts(_Cluster(SCHEDULER_METRICS))  # type: ignore[arg-type]
+    rows = dict(result.rows())
+    assert rows["kube-scheduler: failed attempts per pod"] == "17.5 (3496 in all)"
+    assert rows["kube-scheduler: pods requeued by ResourceSlice (fence) / claim updates"] == "5754 / 582"

@@ -94,6 +94,8 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     assert len(result.claims) == SPEC.claims and {c.wants for c in result.claims} == {"mig", "gpu"}
     # The canary check means something: devices went from one tenant to the next.
     assert result.reallocations >= SPEC.claims - result.devices, result.table()
+    # The table's scheduler rows are the real kube-scheduler's counters over the run: it scheduled every pod.
+    assert result.scheduling is not None and result.scheduling["attempts/scheduled"] >= SPEC.claims, result.table()
 
     # Every finalizer strip was denied, and every denial is in the audit log, whose chain verifies. Beside
     # them: the resourceclaim controller's deallocations, refused until the agent's attestation.
