@@ -117,6 +117,8 @@ class Agent:
         # controller deallocates it after the attestation; a pod event meanwhile must not start it again.
         self._released: dict[str, tuple[frozenset[str], float]] = {}
         self._ends_looked_at: dict[str, set[str]] = {}  # ended pod uid -> its claims looked at since
+        # (namespace, claim) an ended pod named, not settled when looked at -> the pod's UID (see resync)
+        self._unsettled_ends: dict[tuple[str, str], str] = {}
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
         self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
@@ -272,7 +274,7 @@ class Agent:
                 claim = self.cluster.get_claim(namespace, name)
             except ClusterError as exc:
                 log.warning("cannot get claim %s/%s of pod %s: %s; the next resync retries", namespace, name, uid, exc)
-                self._look_again_at_end(uid, name)
+                self._look_again_at_end(uid, namespace, name)
                 continue
             if claim is None:
                 if known is not None:
@@ -285,7 +287,7 @@ class Agent:
                 if deleted_before_allocation(claim):
                     self._drop_finalizer(claim)
                 else:
-                    self._look_again_at_end(uid, name)
+                    self._look_again_at_end(uid, namespace, name)
                 continue
             self._follow(claim)
 
@@ -303,9 +305,11 @@ class Agent:
             looked.add(claim_name)
         return first
 
-    def _look_again_at_end(self, pod_uid: str, claim_name: str) -> None:
+    def _look_again_at_end(self, pod_uid: str, namespace: str, claim_name: str) -> None:
+        """At the pod's next event, and at each resync, should the pod have had its last event."""
         with self._lock:
             self._ends_looked_at.get(pod_uid, set()).discard(claim_name)
+            self._unsettled_ends[(namespace, claim_name)] = pod_uid
 
     def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
         """A full list of this node's pods. A running pod that is not in it may have gone though no watch said
@@ -481,7 +485,28 @@ class Agent:
         with self._lock:
             self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
             self._ends_looked_at = {uid: n for uid, n in self._ends_looked_at.items() if uid in self._finished_pods}
+            self._unsettled_ends = {k: uid for k, uid in self._unsettled_ends.items() if uid in self._finished_pods}
             self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
+        self._settle_ended_claims()
+
+    def _settle_ended_claims(self) -> None:
+        """Claims that an ended pod named and that were neither allocated nor being deleted yet when looked at.
+        kube-controller-manager (1.37) makes such a claim from the template for a pod that has ended and deletes
+        it moments later, often after the pod's last event (a Job's pod deleted once it finished): asked again
+        here until it is gone, so that its finalizer goes within a resync, not at the claim resync."""
+        with self._lock:
+            pending = list(self._unsettled_ends)
+        for namespace, name in pending:
+            try:
+                claim = self.cluster.get_claim(namespace, name)
+            except ClusterError as exc:
+                log.warning("cannot get claim %s/%s of an ended pod: %s; the next resync retries", namespace, name, exc)
+                continue
+            if claim is None or allocated_devices(claim) or recorded_devices(claim):
+                with self._lock:  # gone, or the claim resync's and the pod events' to follow
+                    self._unsettled_ends.pop((namespace, name), None)
+            elif deleted_before_allocation(claim):
+                self._drop_finalizer(claim)  # looked at again until gone: the removal may have met a conflict
 
     # ---------------------------------------------------------------- the loop
 

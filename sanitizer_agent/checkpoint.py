@@ -38,8 +38,8 @@ class State(StrEnum):
     VERIFIED = "verified"  # every device verified clean; next: sign
     ATTESTED = "attested"  # attestation signed; next: delete our fences
     # Fences lifted; next: write the attestation to the claim. In this order, the resourceclaim controller's
-    # deallocation (allowed once the attestation is on the claim) comes after the fences went: kube-scheduler
-    # retries a pod waiting for a device when a claim is deallocated, not when a DeviceTaintRule is deleted.
+    # deallocation (allowed once the attestation is on the claim) comes after the fences went, and the retry
+    # kube-scheduler gives a pod waiting for a device at that deallocation finds it untainted.
     UNFENCED = "unfenced"
     # Attestation written, and the finalizer removed by the same patch where the attestation held; next:
     # remove the finalizer if it is still there (a crash, a claim that changed), then forget the teardown.

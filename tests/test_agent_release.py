@@ -190,6 +190,35 @@ def test_a_claim_made_for_a_pod_that_had_ended_loses_the_finalizer_at_the_pod_ev
     assert agent.store.teardowns == {} and not node.cluster.rules
 
 
+def test_a_claim_made_for_an_ended_pod_and_deleted_after_its_last_event_loses_the_finalizer_at_the_resync(tmp_path):
+    """The same claim, deleted by kube-controller-manager only after the pod's last event (a Job's pod deleted
+    once it finished): no pod event names it while it is being deleted, so the next resync asks again, and
+    keeps asking until it is gone (found in bench/lifecycle.py's load on kube-controller-manager 1.37.2)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "job-2", [])
+    del node.cluster.claims[("team-a", "job-2")]["status"]["allocation"]
+    pod = node.cluster.add_pod("team-a", "job-pod", NODE, ["job-2"])
+    uid = pod["metadata"]["uid"]
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(uid, "Succeeded"))
+    agent.observe_pod("DELETED", node.cluster.delete_pod(uid))
+    assert names.FINALIZER in node.cluster.claims[("team-a", "job-2")]["metadata"]["finalizers"], "not deleted yet"
+    agent.resync()
+    assert ("team-a", "job-2") in node.cluster.claims, "still not deleted: kept, and asked about again"
+
+    node.cluster.delete_claim("team-a", "job-2")  # deletionTimestamp set, held by our finalizer
+    lists = node.cluster.calls.count("list_claims")
+    agent.resync()
+    assert ("team-a", "job-2") not in node.cluster.claims, "finalizer removed, the claim went"
+    assert node.cluster.calls.count("list_claims") == lists, "no claim resync needed"
+    reads = node.cluster.calls.count("get_claim")
+    agent.resync()
+    agent.resync()
+    assert node.cluster.calls.count("get_claim") == reads + 1, "asked once more (gone), then no more"
+    assert agent.store.teardowns == {} and not node.cluster.rules
+
+
 def test_a_running_pods_claim_being_deleted_before_allocation_keeps_the_finalizer_until_the_pod_ends(tmp_path):
     node = make_node(tmp_path)
     agent = node.agent()
