@@ -66,6 +66,13 @@ SLICE_REFRESH_S = 5.0
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
 
 
+def api_connections(max_concurrent_teardowns: int) -> int:
+    """API calls the agent may make at once: a call from each lane, each fence worker (a lane waits on them)
+    and each first-sight worker, the loop's and the pod watch's. The client keeps that many connections open:
+    one it cannot keep is closed, and a later call pays for a new TLS handshake with kube-apiserver."""
+    return 3 * max(max_concurrent_teardowns, 1) + 2
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     node: str

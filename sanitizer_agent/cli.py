@@ -165,7 +165,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from .agent import Agent, AgentSettings
+    from .agent import Agent, AgentSettings, api_connections
     from .checkpoint import CheckpointError, CheckpointStore
     from .device_access import DeviceAccessError
     from .gpu import open_backend
@@ -198,8 +198,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             }
         )
         backend = open_backend(args.gpu_backend, **options)
-        # Each lane, the loop and the pod watch may call the API at once.
-        cluster = KubernetesClusterClient.from_config(args.kubeconfig, args.max_concurrent_teardowns + 2)
+        cluster = KubernetesClusterClient.from_config(args.kubeconfig, api_connections(args.max_concurrent_teardowns))
     except Exception as exc:  # GpuError, OSError, and the kubernetes config loaders' own types
         log.critical("cannot start the agent on node %s: %s", args.node, exc)
         return 1

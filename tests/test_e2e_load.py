@@ -109,6 +109,10 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     assert {(r["subResource"], r["user"]) for r in denials if r not in strips} <= {("status", CLAIM_CONTROLLER)}
     assert_invariant(cluster)
 
+    # The agent's API client kept a connection for each call it made at once: none was closed for want of room
+    # (urllib3 warns of each; a later call would pay for a new TLS handshake).
+    assert "Connection pool is full" not in cluster.agent.log_path.read_text()
+
     # Nothing is left behind: no fence of the run, and the agent has no teardown left.
     assert not result.leftover_fences
     status, detail = cluster.agent_healthz()
