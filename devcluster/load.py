@@ -223,6 +223,12 @@ def scheduler_counts(cluster: Cluster) -> Counter[str] | None:
     return counts
 
 
+def _counted_since(before: Counter[str] | None, cluster: Cluster) -> Counter[str] | None:
+    """kube-scheduler's counters over the run: now, less what they were at its start."""
+    after = scheduler_counts(cluster)
+    return None if before is None or after is None else after - before
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list (NaN when empty)."""
     if not sorted_values:
@@ -415,7 +421,7 @@ class LoadRun:
             violations=cluster.observer.violations(cluster.public_keys),
             leftover_fences=leftover,
             agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
-            scheduling=_since(self._scheduling_before, scheduler_counts(cluster)),
+            scheduling=_counted_since(self._scheduling_before, cluster),
             notes=self.notes,
         )
 
@@ -491,13 +497,6 @@ def reallocations(history: dict[str, list[Observed]]) -> int:
         reused += sum(d in held for d in devices)
         held.update(devices)
     return reused
-
-
-def _since(before: Counter[str] | None, after: Counter[str] | None) -> Counter[str] | None:
-    if before is None or after is None:
-        return None
-    after.subtract(before)
-    return after
 
 
 def _histogram(cluster: Cluster, name: str) -> tuple[float, int]:

@@ -385,7 +385,15 @@ class TeardownEngine:
                     raise
                 # Admission refused the release (a webhook that does not trust this agent's key, say): the
                 # attestation and `verified` still go on the claim, for the operator to see; `done` retries.
-                log.warning("claim %s: finalizer removal refused, writing the attestation alone: %s", td.claim, exc)
+                log.warning(
+                    "claim %s: admission refused the removal of finalizer %s (%s); writing the attestation alone, "
+                    "the removal is retried. The denial says why; where it names the key, add this agent's public "
+                    "key to the webhook's policy (attestationKeys, kid %r)",
+                    td.claim,
+                    names.FINALIZER,
+                    exc,
+                    self.signer.kid,
+                )
                 return self._write_claim(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
 
