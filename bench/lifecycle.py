@@ -18,11 +18,20 @@ admission configurations deleted and its webhook and agent stopped: what the con
 do alone on the machine. No claim is scrubbed then: its invariant columns show what scrubgate prevents, and
 the exit status does not depend on them.
 
-Prints a Markdown table, one column per --parallelism value. Release is the claim's reservedFor emptied;
-fences lifted is the last of its DeviceTaintRules deleted (its devices allocatable again); finalizer
-removed is the claim object released. Times come from the observer's watch of claims and fences; the
-kube-scheduler rows from its /metrics before and after the run (failed attempts, and the pods that
-ResourceSlice updates, DeviceTaintRules included, and claim updates put back into its queue).
+Prints a Markdown table, one column per --parallelism value. Release is the pod's end (the claim's reservedFor
+is emptied in the update that clears its allocation, which the webhook refuses until the attestation); devices
+allocatable is the later of the claim's allocation cleared (or the claim deleted) and the last of our
+DeviceTaintRules for it deleted, where it had any; finalizer removed is the claim object released. A claim
+gets a DeviceTaintRule ("fence") only on rare paths (a failed scrub, a bypassed guard, admin access, shared
+devices, the agent's shutdown): the fence rows say how many claims had one, and n/a when none did. Times come
+from the observer's watch of claims, fences and pods; the kube-scheduler rows from its /metrics before and
+after the run (failed attempts, and the pods that ResourceSlice updates, DeviceTaintRules included, and claim
+updates put back into its queue). API requests per claim come from kube-apiserver's /metrics read the same
+way: all it received (apiserver_request_total), and scrubgate's share, those it received only because
+scrubgate is installed: the agent's (counted by API Priority and Fairness under a FlowSchema of their own,
+`scrubgate-agent`, created for the run with the priority level they had, so they are served as before), those
+scrubgate's webhooks rejected (the resourceclaim controller's deallocation, retried until the attestation),
+and the status writes of fences (kube-controller-manager's).
 The invariant is part of the result: the script exits 1 when any run did not end clean (a violation,
 a canary found, a claim not torn down), and lists why.
 """

@@ -373,9 +373,16 @@ class ControlPlane:
 
     def scheduler_metrics(self) -> str:
         """kube-scheduler's /metrics (Prometheus text), read as the admin."""
-        status, body = self.get("/metrics", port=self.scheduler_port)
+        return self._metrics("kube-scheduler", self.scheduler_port)
+
+    def apiserver_metrics(self) -> str:
+        """kube-apiserver's own /metrics (Prometheus text), read as the admin."""
+        return self._metrics("kube-apiserver", self.port)
+
+    def _metrics(self, component: str, port: int) -> str:
+        status, body = self.get("/metrics", port=port)
         if status != 200:
-            raise HarnessError(f"GET kube-scheduler's /metrics on port {self.scheduler_port}: HTTP {status}: {body}")
+            raise HarnessError(f"GET {component}'s /metrics on port {port}: HTTP {status}: {body}")
         return body
 
     def _component_argv(self, binary: str, credential: str, *flags: str, secure_port: int = 0) -> list[str]:

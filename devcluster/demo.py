@@ -3,8 +3,9 @@
 The real control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler built from their Go
 modules), a simulated GPU node, the real webhook and the real agent run as separate processes
 (devcluster.harness).
-A tenant's Job gets a GPU and writes a canary into its memory; the agent fences, scrubs, attests and
-releases the device; the next tenant gets the same device and finds nothing. Then six things a tenant
+A tenant's Job gets a GPU and writes a canary into its memory; the claim's own allocation keeps the device
+from everyone else (no DeviceTaintRule) until the agent has scrubbed and attested it; the next tenant gets
+the same device and finds nothing. Then six things a tenant
 must not do are each rejected with their rule, and the audit log that recorded them is verified.
 
 Every step prints PASS or FAIL with the object it is about; the exit status is 1 if any step failed.
@@ -37,7 +38,7 @@ from .observer import first_rv, is_allocated, is_attested
 TENANT_A, TENANT_B = "alice", "bob"
 NS_A, NS_B = "team-a", "team-b"
 CANARY = "TEAM-A-SECRET-WEIGHTS-7f3a"
-JOB_SECONDS = 4  # long enough to look at the canary and the fence while the Job runs
+JOB_SECONDS = 4  # long enough to look at the canary and the agent's record while the Job runs
 FENCE_CLAIM_LABEL = "scrubgate.dev/claim-uid"  # the agent labels each fence with the claim it guards
 WAIT_S = 30.0
 
@@ -159,16 +160,22 @@ class Demo:
         expect(CANARY.encode() in memory, f"canary not in the memory of {self.device_uuid}")
         return [f"{self.device_uuid} memory at offset {memory.index(CANARY.encode())}: {CANARY!r}"]
 
-    def fenced(self) -> list[str]:
-        rule = wait_for(self._fence_rules, WAIT_S, f"a DeviceTaintRule for {'/'.join(self.device)}")[0]
-        taint = rule["spec"]["taint"]
+    def recorded(self) -> list[str]:
+        def annotations() -> dict[str, str] | None:
+            found = ((self.cluster.claim(NS_A, self.job_claim) or {}).get("metadata") or {}).get("annotations") or {}
+            return found if found.get(names.ANNOTATION_SCRUB_STATUS) == names.SCRUB_FENCED else None
+
+        recorded = wait_for(annotations, WAIT_S, f"the agent's record on claim {NS_A}/{self.job_claim}")
+        expect(not self._fence_rules(), f"a DeviceTaintRule fences {'/'.join(self.device)}")
         return [
-            f"DeviceTaintRule {rule['metadata']['name']} selects {'/'.join(self.device)}",
-            f"taint {taint['key']}={taint.get('value', '')}:{taint['effect']} (the claim that holds it keeps running)",
+            f"claim {NS_A}/{self.job_claim}: {names.ANNOTATION_DEVICES}={recorded[names.ANNOTATION_DEVICES]}, "
+            f"{names.ANNOTATION_SCRUB_STATUS}={names.SCRUB_FENCED}",
+            f"no DeviceTaintRule: the claim's allocation keeps {'/'.join(self.device)} from every other claim, and "
+            "SG007 keeps that allocation until the agent's attestation is on the claim",
         ]
 
     def _fence_rules(self) -> list[dict[str, Any]]:
-        """The agent's fences on the Job's device for the Job's claim (the next claim gets its own)."""
+        """The agent's fences on the Job's device for the Job's claim (there should be none)."""
         return [r for r in self.cluster.taint_rules() if self._is_job_fence(r)]
 
     def _is_job_fence(self, rule: dict[str, Any]) -> bool:
@@ -251,14 +258,14 @@ class Demo:
     def released(self) -> list[str]:
         c = self.cluster
         wait_for(lambda: c.claim(NS_A, self.job_claim) is None, WAIT_S, f"claim {NS_A}/{self.job_claim} deleted")
-        wait_for(lambda: not self._fence_rules(), WAIT_S, f"the fence on {'/'.join(self.device)} lifted")
         deleted = [e.rv for e in self._claim_observations() if e.type == "DELETED"]
         expect(deleted, f"the observer saw no deletion of claim {NS_A}/{self.job_claim}")
         memory = c.gpu_memory(self.device_uuid)
         expect(CANARY.encode() not in memory, f"the canary is still in {self.device_uuid}'s memory")
         return [
-            f"DeviceTaintRule on {'/'.join(self.device)} deleted",
-            f"finalizer {names.FINALIZER} removed by the agent: claim {NS_A}/{self.job_claim} deleted at rv {deleted[0]}",
+            f"finalizer {names.FINALIZER} removed by the agent with the attestation, in one write",
+            f"the resourceclaim controller's deallocation, refused until then, goes through: claim {NS_A}/"
+            f"{self.job_claim} deleted at rv {deleted[0]}",
             f"{self.device_uuid}: {memory.count(0)}/{len(memory)} bytes zero, canary gone",
         ]
 
@@ -280,25 +287,23 @@ class Demo:
         held = first_rv(mine, is_allocated) or 0
         attested = first_rv(mine, is_attested)
         deallocated = first_rv(mine, lambda e: e.rv > held and not is_allocated(e))
-        lifted = first_rv(
-            events, lambda e: e.resource == "devicetaintrules" and e.type == "DELETED" and self._is_job_fence(e.obj)
-        )
+        fences = [e for e in events if e.resource == "devicetaintrules" and self._is_job_fence(e.obj)]
         allocated = first_rv(
             events,
             lambda e: (
                 e.resource == "resourceclaims" and e.obj["metadata"].get("name") == self.next_claim and is_allocated(e)
             ),
         )
-        order = f"fence lifted {lifted}, attested {attested}, deallocated {deallocated}, reallocated {allocated}"
-        expect(None not in (attested, deallocated, lifted, allocated), f"rv order {order}")
-        # The fence goes first (the scheduler retries a waiting pod on a deallocation, not on a fence's deletion),
-        # then the attestation, then the deallocation the webhook refused until then, then the reuse.
-        expect(lifted < attested < deallocated < allocated, f"rv order {order}")  # type: ignore[operator]
+        order = f"attested {attested}, deallocated {deallocated}, reallocated {allocated}"
+        expect(None not in (attested, deallocated, allocated), f"rv order {order}")
+        # The attestation, then the deallocation the webhook refused until then, then the reuse.
+        expect(attested < deallocated < allocated, f"rv order {order}")  # type: ignore[operator]
+        expect(not fences, f"{len(fences)} DeviceTaintRule event(s) for the Job's claim")
         violations = c.observer.violations(c.public_keys)
         expect(not violations, "; ".join(violations))
         return [
-            f"resourceVersion order: fence lifted {lifted} < {NS_A}/{self.job_claim} attested {attested} < "
-            f"deallocated {deallocated} < {NS_B}/{self.next_claim} allocated {'/'.join(self.device)} {allocated}",
+            f"resourceVersion order: {NS_A}/{self.job_claim} attested {attested} < deallocated {deallocated} < "
+            f"{NS_B}/{self.next_claim} allocated {'/'.join(self.device)} {allocated}; no DeviceTaintRule on the way",
             f"pod {NS_B}/next looked for the canary in {self.device_uuid}: {found['message']}",
             "observer: no device allocated while dirty, no finalizer removed without a verified attestation",
         ]
@@ -397,10 +402,10 @@ def play(cluster: Cluster, story: Story) -> None:
     lifecycle = [
         ("compliant Job team-a/train gets a GPU through a ResourceClaimTemplate (grace 60 s)", demo.compliant_job),
         ("the Job writes a canary into the GPU's memory", demo.canary_written),
-        ("the agent fences the device while the claim holds it", demo.fenced),
+        ("the agent records the device; the claim's own allocation keeps it from other claims", demo.recorded),
         ("the next tenant asks for that same device and waits", demo.next_tenant_waits),
         ("the Job ends; the agent drains, scrubs, verifies and attests", demo.job_ends_and_device_is_scrubbed),
-        ("the agent releases the device: fence lifted, finalizer removed", demo.released),
+        ("the agent releases the claim: attestation and finalizer removal in one write", demo.released),
         (
             "the next tenant gets the device only after the attestation, and finds no canary",
             demo.next_tenant_finds_nothing,

@@ -1,14 +1,14 @@
 """A whole scrubgate installation on one machine, for the end-to-end tests and ``make demo``.
 
 Separate processes, as on a real cluster: the real control plane (etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler; devcluster/controlplane.py), one simulated GPU node (the kubelet
-stand-in and an NVIDIA-like DRA driver over simulated GPUs; devcluster/node.py), the real webhook
+kube-controller-manager, kube-scheduler; devcluster/controlplane.py), one or more simulated GPU nodes (each
+the kubelet stand-in and an NVIDIA-like DRA driver over simulated GPUs; devcluster/node.py), the real webhook
 (``scrubgate webhook``, HTTPS with a certificate from ``scrubgate.certs``) behind a stand-in of its Service
-(devcluster/serviceproxy.py) and the real node agent (``scrubgate agent``, the official ``kubernetes``
-client, a ServiceAccount token, the simulated GPU backend). scrubgate is installed from the kustomize base as
-the built kubectl renders it: its namespace, ServiceAccounts, RBAC and webhook configurations (caBundle
-injected; ``service:`` replaced by ``url:`` for the host process). Everything binds to 127.0.0.1 on
-ephemeral ports and lives in one work directory; processes write their logs there.
+(devcluster/serviceproxy.py) and the real node agent on each node (``scrubgate agent``, the official
+``kubernetes`` client, a ServiceAccount token, the simulated GPU backend). scrubgate is installed from the
+kustomize base as the built kubectl renders it: its namespace, ServiceAccounts, RBAC and webhook
+configurations (caBundle injected; ``service:`` replaced by ``url:`` for the host process). Everything binds
+to 127.0.0.1 on ephemeral ports and lives in one work directory; processes write their logs there.
 
     with Cluster(gpus=2).start() as cluster:
         cluster.create_namespace("team-a")
@@ -16,6 +16,9 @@ ephemeral ports and lives in one work directory; processes write their logs ther
         ...
         cluster.agent.kill()                    # kill -9; .start(), .stop(), .restart() likewise
         cluster.observer.violations()           # dirty allocations, unattested finalizer removals
+
+    with Cluster(gpus=1, nodes=2).start() as cluster:
+        cluster.nodes[1].agent.kill()           # SimNode gpu-node-2: its process, GPUs and agent
 
 A test and demo harness, not part of scrubgate (see devcluster/README.md).
 """
@@ -68,6 +71,7 @@ __all__ = [
     "ManagedProcess",
     "Observed",
     "Observer",
+    "SimNode",
     "User",
     "denial",
     "invariant_violations",
@@ -78,7 +82,6 @@ __all__ = [
 log = logging.getLogger("devcluster.harness")
 
 MANIFESTS = REPO_ROOT / "manifests"
-NODE = "gpu-node-1"
 KEY_ID = "scrubgate-agent-devcluster"
 AGENT_USER = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
 # kube-controller-manager runs with --use-service-account-credentials: each controller is its own account.
@@ -186,19 +189,124 @@ INSTALLED_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBin
 TOKEN_SECONDS = 24 * 3600
 
 
+# ---------------------------------------------------------------------- the nodes
+
+
+def node_name(index: int) -> str:
+    """The name of node ``index`` (0-based): gpu-node-1, gpu-node-2, ..."""
+    return f"gpu-node-{index + 1}"
+
+
+@dataclass(frozen=True)
+class NodeFiles:
+    """One node's files: the first node's are where a one-node cluster has them (``Paths``), the others' carry
+    the node's name (``tag``) beside them."""
+
+    gpus: Path
+    kubeconfig: Path  # the node's own credentials (system:node:<name>)
+    checkpoint: Path  # its agent's
+    node_log: Path
+    agent_log: Path
+
+    @classmethod
+    def of(cls, paths: Paths, name: str, tag: str) -> NodeFiles:
+        def beside(path: Path) -> Path:
+            return path.with_name(f"{path.stem}{tag}{path.suffix}")
+
+        return cls(
+            gpus=paths.gpus / name,
+            kubeconfig=beside(paths.node_kubeconfig),
+            checkpoint=beside(paths.checkpoint),
+            node_log=beside(paths.logs / "node.log"),
+            agent_log=beside(paths.logs / "agent.log"),
+        )
+
+
+def _http_get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+@dataclass
+class SimNode:
+    """One simulated GPU node: its process (the kubelet stand-in and the DRA driver, devcluster/node.py), its
+    GPUs, and the scrubgate agent the DaemonSet runs on it. Its DRA pool is its name; device names (gpu-0, ...)
+    repeat across nodes, UUIDs do not."""
+
+    name: str
+    files: NodeFiles
+    process: ManagedProcess
+    agent: ManagedProcess
+    agent_metrics_port: int
+    ready_timeout: float
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.files.gpus
+
+    def wait_agent_ready(self, timeout: float | None = None) -> None:
+        wait_for(
+            lambda: self.agent_healthz()[0] == 200 or self.agent.check_alive(),
+            timeout or self.ready_timeout,
+            f"the agent's /healthz on 127.0.0.1:{self.agent_metrics_port} (node {self.name})",
+        )
+
+    def agent_healthz(self) -> tuple[int, str]:
+        """(0, reason) when the agent does not answer."""
+        try:
+            return _http_get(self.agent_metrics_port, "/healthz")
+        except (OSError, http.client.HTTPException) as exc:
+            return 0, str(exc)
+
+    def agent_metrics(self) -> str:
+        return _http_get(self.agent_metrics_port, "/metrics")[1]
+
+    def gpus(self) -> list[GpuDevice]:
+        return simulated.SimulatedGpu(self.gpu_dir).list_devices()
+
+    def device_name(self, device_uuid: str) -> str:
+        """The DRA device name (gpu-0, gpu-0-mig-1, ...) the driver publishes for a UUID."""
+        return driver.device_names(self.gpus())[device_uuid]
+
+    def device_uuid(self, device_name: str) -> str:
+        return {v: k for k, v in driver.device_names(self.gpus()).items()}[device_name]
+
+    def gpu_memory(self, device_uuid: str) -> bytes:
+        """The device's memory as a tenant (or an attacker with the device) would read it."""
+        return simulated.read(self.gpu_dir, device_uuid)
+
+    def gpu_processes(self, device_uuid: str) -> list[int]:
+        return [p.pid for p in simulated.SimulatedGpu(self.gpu_dir).processes(device_uuid)]
+
+    def inject_fault(self, device_uuid: str, kind: simulated.FaultKind, value: Any = True) -> None:
+        simulated.inject_fault(self.gpu_dir, device_uuid, kind, value)
+
+    def clear_faults(self, device_uuid: str | None = None) -> None:
+        simulated.clear_faults(self.gpu_dir, device_uuid)
+
+
 class Cluster:
     """The installation. ``start()`` brings it up (and stops what it started if that fails), ``stop()`` /
     the context manager takes it down and removes the work directory unless ``keep`` (or it was given).
 
     Users: ``admin`` (system:masters) and one per name in ``tenants`` (static tokens; each may `edit` in the
     namespaces of ``create_namespace``); ``agent``, the agent's ServiceAccount (a TokenRequest token).
+
+    ``nodes`` simulated GPU nodes (``self.nodes``, gpu-node-1, ...), each with ``gpus`` GPUs of ``mig_per_gpu``
+    MIG slices and its own agent. The single-node attributes (``node``, ``agent``, ``node_process``, ``gpu_dir``,
+    ``gpus()``, ``wait_agent_ready()``, ...) are the first node's.
     """
 
     def __init__(
         self,
         workdir: Path | str | None = None,
         *,
-        node: str = NODE,
+        nodes: int = 1,
         gpus: int = 2,
         mig_per_gpu: int = 0,
         memory_bytes: int = 1 << 20,
@@ -212,8 +320,8 @@ class Cluster:
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
-        self.node = node
-        self.gpu_dir = self.paths.gpus / node
+        if nodes < 1:
+            raise ValueError(f"nodes={nodes}: a cluster needs at least one node")
         self._inventory = {"gpus": gpus, "mig_per_gpu": mig_per_gpu, "memory_bytes": memory_bytes}
         self.ready_timeout = ready_timeout
         self.users: dict[str, User] = {"admin": User("kubernetes-admin", secrets.token_hex(16), ("system:masters",))}
@@ -225,7 +333,6 @@ class Cluster:
         self._signing_key = Ed25519PrivateKey.generate()
         self.public_keys: dict[str, Ed25519PublicKey] = {KEY_ID: self._signing_key.public_key()}
         self.webhook_port = free_port()
-        self.agent_metrics_port = free_port()
         self.service_port = 0
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -244,9 +351,8 @@ class Cluster:
         self.installer = installer
         self.api = self.control_plane.apiserver
         self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
-        self.node_process = ManagedProcess("node", self._node_argv(), self.paths.logs / "node.log", env)
         self.webhook = ManagedProcess("webhook", self._webhook_argv(), self.paths.logs / "webhook.log", env)
-        self.agent = ManagedProcess("agent", self._agent_argv(), self.paths.logs / "agent.log", env)
+        self.nodes = [self._sim_node(i) for i in range(nodes)]
         self.observer = Observer(lambda: self.control_plane.port, self.users["admin"].token, self._ca_file)
         self._clients: dict[str, k8s.ApiClient] = {}
         self._started = False
@@ -258,6 +364,79 @@ class Cluster:
     @property
     def version(self) -> str:
         return self.control_plane.version
+
+    # ------------------------------------------------------------------ the nodes
+
+    def _sim_node(self, index: int) -> SimNode:
+        """Node ``index``, its processes not started yet."""
+        name = node_name(index)
+        tag = f"-{name}" if index else ""  # the first node's files and processes keep their one-node names
+        files = NodeFiles.of(self.paths, name, tag)
+        port = free_port()
+        return SimNode(
+            name,
+            files,
+            process=ManagedProcess(f"node{tag}", self._node_argv(name, files), files.node_log, self._env),
+            agent=ManagedProcess(f"agent{tag}", self._agent_argv(name, files, port), files.agent_log, self._env),
+            agent_metrics_port=port,
+            ready_timeout=self.ready_timeout,
+        )
+
+    def node_named(self, name: str) -> SimNode:
+        """The node of that name (a device's DRA pool)."""
+        return next(n for n in self.nodes if n.name == name)
+
+    # One-node tests use the first node through the cluster: these are ``nodes[0]``'s.
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0].name
+
+    @property
+    def agent(self) -> ManagedProcess:
+        return self.nodes[0].agent
+
+    @property
+    def node_process(self) -> ManagedProcess:
+        return self.nodes[0].process
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.nodes[0].gpu_dir
+
+    @property
+    def agent_metrics_port(self) -> int:
+        return self.nodes[0].agent_metrics_port
+
+    def wait_agent_ready(self, timeout: float | None = None) -> None:
+        self.nodes[0].wait_agent_ready(timeout)
+
+    def agent_healthz(self) -> tuple[int, str]:
+        return self.nodes[0].agent_healthz()
+
+    def agent_metrics(self) -> str:
+        return self.nodes[0].agent_metrics()
+
+    def gpus(self) -> list[GpuDevice]:
+        return self.nodes[0].gpus()
+
+    def device_name(self, device_uuid: str) -> str:
+        return self.nodes[0].device_name(device_uuid)
+
+    def device_uuid(self, device_name: str) -> str:
+        return self.nodes[0].device_uuid(device_name)
+
+    def gpu_memory(self, device_uuid: str) -> bytes:
+        return self.nodes[0].gpu_memory(device_uuid)
+
+    def gpu_processes(self, device_uuid: str) -> list[int]:
+        return self.nodes[0].gpu_processes(device_uuid)
+
+    def inject_fault(self, device_uuid: str, kind: simulated.FaultKind, value: Any = True) -> None:
+        self.nodes[0].inject_fault(device_uuid, kind, value)
+
+    def clear_faults(self, device_uuid: str | None = None) -> None:
+        self.nodes[0].clear_faults(device_uuid)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -277,13 +456,15 @@ class Cluster:
             )
             self._webhook_client_credentials()
             self.control_plane.start()
-            self._install_node()
+            self._install_nodes()
             self.webhook.start()
             self.wait_webhook_ready()
             self._install()
-            self.agent.start()
-            self.wait_agent_ready()
-            wait_for(self._slice_published, self.ready_timeout, f"the ResourceSlice of node {self.node}")
+            for node in self.nodes:
+                node.agent.start()
+            for node in self.nodes:
+                node.wait_agent_ready()
+            wait_for(self._slices_published, self.ready_timeout, "a ResourceSlice of every node")
             self.observer.start()
         except BaseException:
             print(self.diagnostics(), file=sys.stderr)
@@ -294,12 +475,12 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Stops the agent, the webhook, the node (and its containers), then the control plane."""
+        """Stops the agents, the webhook, the nodes (and their containers), then the control plane."""
         atexit.unregister(self.stop)
         self.observer.stop()
         if self.keep and self.paths.root.is_dir():
             self.observer.dump(self.paths.root / "observed.jsonl")
-        for process in (self.agent, self.webhook, self.node_process, self.service):
+        for process in (*(n.agent for n in self.nodes), self.webhook, *(n.process for n in self.nodes), self.service):
             process.stop()
         self.control_plane.stop()
         for api_client in self._clients.values():
@@ -318,7 +499,13 @@ class Cluster:
 
     @property
     def processes(self) -> tuple[ManagedProcess, ...]:
-        return (*self.control_plane.processes, self.service, self.node_process, self.webhook, self.agent)
+        return (
+            *self.control_plane.processes,
+            self.service,
+            *(n.process for n in self.nodes),
+            self.webhook,
+            *(n.agent for n in self.nodes),
+        )
 
     def diagnostics(self, lines: int = 30) -> str:
         """The last lines of every process log, for a failure message."""
@@ -342,7 +529,8 @@ class Cluster:
             p.node_kubeconfig.parent,
         ):
             directory.mkdir(parents=True, exist_ok=True)
-        simulated.create_inventory(self.gpu_dir, **self._inventory)
+        for node in self.nodes:  # UUIDs are random (uuid4): no two nodes share one
+            simulated.create_inventory(node.gpu_dir, **self._inventory)
         ca = generate_ca()
         write_tls_dir(p.certs, ca, issue_serving_cert(ca, [*service_sans(), "127.0.0.1"]))
         p.signing_key.write_bytes(
@@ -406,16 +594,18 @@ class Cluster:
     def policy(self) -> dict[str, Any]:
         return yaml.safe_load(self.paths.policy.read_text())
 
-    def _install_node(self) -> None:
-        """What is there before scrubgate: NVIDIA's DeviceClasses and driver identity, and the GPU node."""
+    def _install_nodes(self) -> None:
+        """What is there before scrubgate: NVIDIA's DeviceClasses and driver identity, and the GPU nodes, each
+        with its own client certificate (the Node authorizer lets it at its own Node and pods only)."""
         for device_class in driver.device_classes():
             self.apply(device_class)
         self._install_driver_identity()
-        node = self.control_plane.pki.client(
-            "node", f"system:node:{self.node}", ("system:nodes",), self.control_plane.url
-        )
-        shutil.copyfile(node.kubeconfig, self.paths.node_kubeconfig)
-        self.node_process.start()
+        for node in self.nodes:
+            credential = self.control_plane.pki.client(
+                f"node-{node.name}", f"system:node:{node.name}", ("system:nodes",), self.control_plane.url
+            )
+            shutil.copyfile(credential.kubeconfig, node.files.kubeconfig)
+            node.process.start()
 
     def _install(self) -> None:
         """scrubgate as a user installs it, once the webhook serves, then the agent's credentials."""
@@ -427,16 +617,29 @@ class Cluster:
         self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
 
     def uninstall_scrubgate(self) -> None:
-        """Removes scrubgate from the running installation, for a baseline of the control plane and the harness
-        alone: its webhook configurations go, then its webhook and agent stop (fences and finalizers already
-        placed stay)."""
+        """Removes scrubgate from the running installation, in the order README's "Uninstalling" gives: the
+        agents first (each fences, on its way out, the teardowns it still owes, which the webhook's guard kept
+        until then), then the webhook configurations, then the webhook. Fences and finalizers already placed
+        stay. Also the baseline of bench/lifecycle.py: the control plane and the harness alone."""
+        for node in self.nodes:
+            node.agent.stop()
         for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
             path = f"/apis/admissionregistration.k8s.io/v1/{kind}"
             for item in self.request("GET", path)["items"]:
                 if any(w.get("name", "").endswith(".scrubgate.dev") for w in item.get("webhooks") or []):
                     self.request("DELETE", f"{path}/{item['metadata']['name']}")
-        self.agent.stop()
         self.webhook.stop()
+
+    def reinstall_scrubgate(self) -> None:
+        """scrubgate installed again after `uninstall_scrubgate`: the webhook, its configurations, the agents
+        (which pick up what their checkpoints still owe)."""
+        self.webhook.start()
+        self.wait_webhook_ready()
+        self._install()
+        for node in self.nodes:
+            node.agent.start()
+        for node in self.nodes:
+            node.wait_agent_ready()
 
     def _install_with_helm(self) -> None:
         """`helm install` of charts/scrubgate with its values for host processes (values-local.yaml): the
@@ -536,13 +739,12 @@ class Cluster:
             str(p.endpoints),
         ]
 
-    def _node_argv(self) -> list[str]:
-        p = self.paths
+    def _node_argv(self, name: str, files: NodeFiles) -> list[str]:
         options = {
-            "--node": self.node,
-            "--gpu-root": self.gpu_dir,
-            "--kubeconfig": p.node_kubeconfig,
-            "--driver-kubeconfig": p.driver_kubeconfig,
+            "--node": name,
+            "--gpu-root": files.gpus,
+            "--kubeconfig": files.kubeconfig,
+            "--driver-kubeconfig": self.paths.driver_kubeconfig,  # one ServiceAccount, as the driver's DaemonSet
         }
         return [sys.executable, "-m", "devcluster.node", *_flags(options)]
 
@@ -559,19 +761,19 @@ class Cluster:
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 
-    def _agent_argv(self) -> list[str]:
+    def _agent_argv(self, name: str, files: NodeFiles, metrics_port: int) -> list[str]:
         p = self.paths
         options = {
-            "--node": self.node,
+            "--node": name,
             "--gpu-backend": "simulated",
-            "--simulated-root": self.gpu_dir,
-            "--kubeconfig": p.kubeconfig,
+            "--simulated-root": files.gpus,
+            "--kubeconfig": p.kubeconfig,  # every node's agent: the one ServiceAccount and key, as the DaemonSet
             "--signing-key": p.signing_key,
             "--key-id": self.key_id,
-            "--checkpoint": p.checkpoint,
+            "--checkpoint": files.checkpoint,
             "--nvidia-checkpoint": "",  # no NVIDIA driver checkpoint on a simulated node
             "--metrics-address": "127.0.0.1",
-            "--metrics-port": self.agent_metrics_port,  # /healthz tells when the agent is ready
+            "--metrics-port": metrics_port,  # /healthz tells when the agent is ready
         }
         return [sys.executable, "-m", "scrubgate.cli", "agent", *_flags(options), *self._agent_args]
 
@@ -604,13 +806,6 @@ class Cluster:
             f"the webhook's /readyz on 127.0.0.1:{self.webhook_port}",
         )
 
-    def wait_agent_ready(self, timeout: float | None = None) -> None:
-        wait_for(
-            lambda: self.agent_healthz()[0] == 200 or self.agent.check_alive(),
-            timeout or self.ready_timeout,
-            f"the agent's /healthz on 127.0.0.1:{self.agent_metrics_port}",
-        )
-
     def webhook_get(self, path: str) -> tuple[int, str]:
         """GET over HTTPS as the API server connects: to 127.0.0.1, verifying the CA and the service name.
         (0, reason) when it cannot connect."""
@@ -626,25 +821,6 @@ class Cluster:
                 return resp.status, resp.read().decode(errors="replace")
         except (OSError, http.client.HTTPException) as exc:
             return 0, str(exc)
-
-    def agent_healthz(self) -> tuple[int, str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.agent_metrics_port, timeout=5)
-        try:
-            conn.request("GET", "/healthz")
-            resp = conn.getresponse()
-            return resp.status, resp.read().decode(errors="replace")
-        except (OSError, http.client.HTTPException) as exc:
-            return 0, str(exc)
-        finally:
-            conn.close()
-
-    def agent_metrics(self) -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", self.agent_metrics_port, timeout=5)
-        try:
-            conn.request("GET", "/metrics")
-            return conn.getresponse().read().decode()
-        finally:
-            conn.close()
 
     def set_webhook_port(self, port: int | None) -> None:
         """The webhook Service's endpoint; None: no endpoints (the webhook unreachable for the API server).
@@ -664,9 +840,10 @@ class Cluster:
         """A new serving certificate from the same CA, written in place (the webhook reloads it)."""
         rotate_serving_cert(self.paths.certs, [*service_sans(), "127.0.0.1"])
 
-    def _slice_published(self) -> bool:
+    def _slices_published(self) -> bool:
         body = self.request("GET", f"/apis/{names.RESOURCE_GROUP}/v1/resourceslices")
-        return any((s.get("spec") or {}).get("nodeName") == self.node for s in body.get("items") or [])
+        published = {(s.get("spec") or {}).get("nodeName") for s in body.get("items") or []}
+        return {n.name for n in self.nodes} <= published
 
     def served_versions(self) -> list[str]:
         """The resource.k8s.io versions that serve ResourceClaims, newest first."""
@@ -816,31 +993,6 @@ class Cluster:
         if version is None:
             return []
         return self.request("GET", f"/apis/{names.RESOURCE_GROUP}/{version}/devicetaintrules")["items"]
-
-    # ------------------------------------------------------------------ the node's GPUs
-
-    def gpus(self) -> list[GpuDevice]:
-        return simulated.SimulatedGpu(self.gpu_dir).list_devices()
-
-    def device_name(self, device_uuid: str) -> str:
-        """The DRA device name (gpu-0, gpu-0-mig-1, ...) the driver publishes for a UUID."""
-        return driver.device_names(self.gpus())[device_uuid]
-
-    def device_uuid(self, device_name: str) -> str:
-        return {v: k for k, v in driver.device_names(self.gpus()).items()}[device_name]
-
-    def gpu_memory(self, device_uuid: str) -> bytes:
-        """The device's memory as a tenant (or an attacker with the device) would read it."""
-        return simulated.read(self.gpu_dir, device_uuid)
-
-    def gpu_processes(self, device_uuid: str) -> list[int]:
-        return [p.pid for p in simulated.SimulatedGpu(self.gpu_dir).processes(device_uuid)]
-
-    def inject_fault(self, device_uuid: str, kind: simulated.FaultKind, value: Any = True) -> None:
-        simulated.inject_fault(self.gpu_dir, device_uuid, kind, value)
-
-    def clear_faults(self, device_uuid: str | None = None) -> None:
-        simulated.clear_faults(self.gpu_dir, device_uuid)
 
     # ------------------------------------------------------------------ the audit log
 

@@ -1,16 +1,19 @@
 """A lifecycle load on the whole installation (devcluster.harness.Cluster): many tenants' Job pods, each
 with its own claim from a ResourceClaimTemplate (MIG slices, every few a whole GPU), each looking for the
-canaries earlier tenants left, writing its own, then ending. Every claim goes allocated -> fenced ->
-released -> drained -> scrubbed -> attested -> unfenced -> finalizer removed; the observer's record of
-it gives the latencies and the invariant. Shared by ``bench/lifecycle.py`` (the figures) and
-``tests/test_e2e_load.py`` (the invariant under load). Part of the test and demo harness.
+canaries earlier tenants left, writing its own, then ending. Every claim goes allocated -> released ->
+drained -> scrubbed -> attested -> deallocated -> finalizer removed; its own allocation, which the webhook
+keeps until the attestation, keeps its devices from the next tenant, and a fence (a DeviceTaintRule) appears
+only on rarer paths (a failed scrub, a bypassed guard, admin access, shared devices, the agent's shutdown). The
+observer's record of it gives the latencies and the invariant. Shared by ``bench/lifecycle.py`` (the figures)
+and ``tests/test_e2e_load.py`` (the invariant under load). Part of the test and demo harness.
 
 Pods are submitted as a Job with ``parallelism`` would: at most that many unfinished at once, the next
 one as soon as one ends; a finished pod is deleted, as the TTL-after-finished controller does for a Job
 with ``ttlSecondsAfterFinished: 0``. Release is the pod's end (first seen Succeeded, Failed or gone),
 which releases its claim; the resourceclaim controller's clearing of ``reservedFor`` and the allocation
-is refused until the agent's attestation is on the claim. Clean is the last of the claim's fences deleted
-(its devices allocatable again) and the finalizer removed (the claim object released).
+is refused until the agent's attestation is on the claim. Allocatable is the allocation cleared (or the claim
+deleted) and the last of the claim's fences, if it had any, deleted: its devices can go to the next claim. Clean
+is that, an attestation that verifies, and the finalizer removed (the claim object released).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from . import workloads
 from .harness import Cluster
 from .kubelet import CANARY_FOUND
 from .observer import Observed
-from .processes import HarnessError
+from .processes import HarnessError, wait_for
 
 RUN_LABEL = "devcluster.scrubgate.dev/load-run"
 CANARY_PREFIX = "SCRUBGATE-LOAD-CANARY-"
@@ -79,11 +82,20 @@ class ClaimOutcome:
     finished: bool = False  # the pod reached Succeeded or Failed
     canary_found: bool | None = None  # the kubelet's verdict for the pod; None: not reported
     allocated_at: float | None = None
-    fenced_at: float | None = None  # the first of its fences created
-    released_at: float | None = None
+    fenced_at: float | None = None  # the first of its fences created; most claims have none
+    released_at: float | None = None  # its pod's end
     unfenced_at: float | None = None  # the last of its fences deleted
+    deallocated_at: float | None = None  # its allocation first seen cleared, or the claim deleted
     finalizer_removed_at: float | None = None
     attested: bool = False  # an attestation that verifies for this claim and all of its devices
+
+    @property
+    def allocatable_at(self) -> float | None:
+        """When its devices were allocatable again: the allocation cleared and the last of its fences (if it had
+        any) deleted, whichever came later; None while either is outstanding."""
+        if self.deallocated_at is None or (self.fenced_at is not None and self.unfenced_at is None):
+            return None
+        return max(t for t in (self.deallocated_at, self.unfenced_at) if t is not None)
 
     def problems(self) -> list[str]:
         """What went wrong for this claim, as one line (none when it ended clean)."""
@@ -93,10 +105,10 @@ class ClaimOutcome:
             "no claim was seen": bool(self.uid),
             "the kubelet never reported whether it found a canary": self.canary_found is not None,
             "found an earlier tenant's canary in its device memory": not self.canary_found,
-            "never fenced": self.fenced_at is not None,
             "its pod was never seen ending": self.released_at is not None,
             "no attestation verified for it": self.attested,
-            "its fences were not all lifted": self.unfenced_at is not None,
+            "its allocation was never cleared": self.deallocated_at is not None,
+            "its fences were not all lifted": self.fenced_at is None or self.unfenced_at is not None,
             f"finalizer {names.FINALIZER} never removed": self.finalizer_removed_at is not None,
         }
         failed = [problem for problem, ok in checks.items() if not ok]
@@ -114,8 +126,10 @@ class LoadResult:
     violations: list[str]  # the observer's invariant check
     leftover_fences: list[str]  # fences of this run's claims still standing at the end
     agent_overhead: tuple[float, int] = (0.0, 0)  # the agent's teardown-overhead histogram: sum, count
-    # kube-scheduler's counters over the run (see `scheduler_counts`); None when its /metrics could not be read
+    # kube-scheduler's and kube-apiserver's counters over the run (see `scheduler_counts`, `apiserver_counts`);
+    # None when their /metrics could not be read
     scheduling: Counter[str] | None = None
+    api_requests: Counter[str] | None = None
     notes: list[str] = field(default_factory=list)  # what kept the run from completing in time
 
     @property
@@ -150,7 +164,9 @@ class LoadResult:
         """(metric, value) for the table."""
         fenced = self.latencies("allocated_at", "fenced_at")
         unfenced = self.latencies("released_at", "unfenced_at")
+        allocatable = self.latencies("released_at", "allocatable_at")
         removed = self.latencies("released_at", "finalizer_removed_at")
+        with_fences = sum(c.fenced_at is not None for c in self.claims)
         overhead_sum, overhead_count = self.agent_overhead
         wants = Counter(c.wants for c in self.claims)
         runs = [self.spec.run_time(i) for i in range(self.spec.claims)]
@@ -160,8 +176,15 @@ class LoadResult:
             ("pods at once x run time", f"{self.spec.parallelism} x {min(runs):g}-{max(runs):g} s"),
             ("wall time", f"{self.wall_s:.1f} s"),
             ("claims/s", f"{self.claims_per_s:.2f}"),
-            ("allocated -> fenced p50 / p99 / max", _ms(fenced, 0.5, 0.99, 1.0)),
-            ("release -> fences lifted p50 / p99", _ms(unfenced, 0.5, 0.99)),
+            (
+                "allocated -> fenced p50 / p99 / max",
+                f"{_ms(fenced, 0.5, 0.99, 1.0)} ({with_fences} of {len(self.claims)} claims fenced)",
+            ),
+            (
+                "release -> fences lifted p50 / p99",
+                f"{_ms(unfenced, 0.5, 0.99)} ({len(unfenced)} of {with_fences} fenced claims)",
+            ),
+            ("release -> devices allocatable p50 / p99", _ms(allocatable, 0.5, 0.99)),
             ("release -> finalizer removed p50 / p99", _ms(removed, 0.5, 0.99)),
             (
                 "agent's own teardown time (mean of its histogram)",
@@ -169,6 +192,7 @@ class LoadResult:
             ),
             ("devices reused by a later claim", str(self.reallocations)),
             *self._scheduling_rows(),
+            ("API requests per claim (scrubgate's share)", self._api_requests()),
             ("invariant violations (observer)", str(len(self.violations))),
             ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
             ("claims not ended clean", str(sum(bool(c.problems()) for c in self.claims))),
@@ -184,6 +208,12 @@ class LoadResult:
             ("kube-scheduler: failed attempts per pod", failed),
             ("kube-scheduler: pods requeued by ResourceSlice (fence) / claim updates", moved),
         ]
+
+    def _api_requests(self) -> str:
+        if (counts := self.api_requests) is None:
+            return "n/a"
+        claims = max(len(self.claims), 1)
+        return f"{scrubgate_requests(counts) / claims:.1f} ({counts[ALL_REQUESTS] / claims:.1f} in all)"
 
     def table(self) -> str:
         return markdown_table([self])
@@ -206,27 +236,110 @@ SLICE_UPDATE = "resource.k8s.io/ResourceSliceUpdate"
 CLAIM_UPDATE = "resource.k8s.io/ResourceClaimUpdate"
 
 
-def scheduler_counts(cluster: Cluster) -> Counter[str] | None:
-    """kube-scheduler's schedule attempts by result (`attempts/<result>`) and pods put back into its queues by
-    event (`requeued/<event>`); None when its /metrics cannot be read."""
-    try:
-        text = cluster.control_plane.scheduler_metrics()
-    except HarnessError:
-        return None
+# What to count of a metric: the keys each of its samples adds its value to, from the sample's labels.
+Keys = Callable[[dict[str, str]], tuple[str, ...]]
+
+SCHEDULER_COUNTERS: dict[str, Keys] = {
+    "scheduler_schedule_attempts_total": lambda labels: (f"attempts/{labels.get('result')}",),
+    "scheduler_queue_incoming_pods_total": lambda labels: (f"requeued/{labels.get('event')}",),
+}
+
+# kube-apiserver counts requests by resource and verb, not by who made them; API Priority and Fairness counts
+# them by the FlowSchema that matched. The agent's requests get a FlowSchema of their own (`agent_flow_schema`).
+FLOW_SCHEMA = "scrubgate-agent"
+ALL_REQUESTS = "requests"
+AGENT_REQUESTS = "agent"  # made by scrubgate's agent
+REJECTED = "rejected"  # refused by scrubgate's webhooks: each would not have been made, or repeated, without it
+FENCE_STATUS = "fence-status"  # DeviceTaintRule status writes: kube-controller-manager's, as the agent writes none
+APISERVER_COUNTERS: dict[str, Keys] = {
+    "apiserver_request_total": lambda labels: (
+        (ALL_REQUESTS, FENCE_STATUS)
+        if (labels.get("resource"), labels.get("subresource")) == ("devicetaintrules", "status")
+        else (ALL_REQUESTS,)
+    ),
+    "apiserver_flowcontrol_dispatched_requests_total": lambda labels: (
+        (AGENT_REQUESTS,) if labels.get("flow_schema") == FLOW_SCHEMA else ()
+    ),
+    # exposed as apiserver_admission_webhook_rejection_count: prometheus_client names a counter's samples `*_total`
+    "apiserver_admission_webhook_rejection_count_total": lambda labels: (
+        (REJECTED,) if labels.get("name", "").endswith(f".{names.DOMAIN}") else ()
+    ),
+}
+
+
+def counters(text: str, wanted: dict[str, Keys]) -> Counter[str]:
+    """The samples of the `wanted` metrics in Prometheus text, summed under the keys each one names."""
     counts: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "scheduler_schedule_attempts_total":
-                counts[f"attempts/{sample.labels.get('result')}"] += sample.value
-            elif sample.name == "scheduler_queue_incoming_pods_total":
-                counts[f"requeued/{sample.labels.get('event')}"] += sample.value
+            if (keys := wanted.get(sample.name)) is not None:
+                for key in keys(sample.labels):
+                    counts[key] += sample.value
     return counts
 
 
-def _counted_since(before: Counter[str] | None, cluster: Cluster) -> Counter[str] | None:
-    """kube-scheduler's counters over the run: now, less what they were at its start."""
-    after = scheduler_counts(cluster)
+def _read_counters(read: Callable[[], str], wanted: dict[str, Keys]) -> Counter[str] | None:
+    try:
+        return counters(read(), wanted)
+    except HarnessError:
+        return None
+
+
+def scheduler_counts(cluster: Cluster) -> Counter[str] | None:
+    """kube-scheduler's schedule attempts by result (`attempts/<result>`) and pods put back into its queues by
+    event (`requeued/<event>`); None when its /metrics cannot be read."""
+    return _read_counters(cluster.control_plane.scheduler_metrics, SCHEDULER_COUNTERS)
+
+
+def apiserver_counts(cluster: Cluster) -> Counter[str] | None:
+    """kube-apiserver's requests: all, the agent's, those scrubgate's webhooks rejected, and DeviceTaintRule status
+    writes (see APISERVER_COUNTERS); None when its /metrics cannot be read."""
+    return _read_counters(cluster.control_plane.apiserver_metrics, APISERVER_COUNTERS)
+
+
+def counted_since(before: Counter[str] | None, after: Counter[str] | None) -> Counter[str] | None:
+    """Counters over a run: at its end, less what they were at its start; None when either was not read."""
     return None if before is None or after is None else after - before
+
+
+def scrubgate_requests(counts: Counter[str]) -> float:
+    """Of the requests kube-apiserver received, those it received only because scrubgate is installed: the agent's,
+    those scrubgate's webhooks rejected (the resourceclaim controller's deallocation, retried until the
+    attestation), and the status writes of fences. A request of the agent's that a webhook rejected would count
+    twice; the agent's writes are meant to pass."""
+    return counts[AGENT_REQUESTS] + counts[REJECTED] + counts[FENCE_STATUS]
+
+
+def agent_flow_schema() -> dict[str, Any]:
+    """A FlowSchema that matches only the agent's requests, so that API Priority and Fairness counts them under
+    its name. It wins over the default `service-accounts` schema that matches them otherwise (matchingPrecedence
+    9000) and sends them to the same priority level, workload-low, so they are served as before."""
+    every_resource = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
+    agent = {"namespace": names.SYSTEM_NAMESPACE, "name": names.AGENT_SERVICE_ACCOUNT}
+    return {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": FLOW_SCHEMA},
+        "spec": {
+            "priorityLevelConfiguration": {"name": "workload-low"},
+            "matchingPrecedence": 8999,
+            "distinguisherMethod": {"type": "ByUser"},
+            "rules": [
+                {
+                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": agent}],
+                    "resourceRules": [every_resource],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }
+            ],
+        },
+    }
+
+
+def _flow_schema_in_use(cluster: Cluster) -> bool:
+    """Whether kube-apiserver's APF configuration has taken the FlowSchema in: it then marks it not dangling."""
+    schema = cluster.request("GET", f"/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas/{FLOW_SCHEMA}")
+    conditions = (schema.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Dangling" and c.get("status") == "False" for c in conditions)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -237,6 +350,8 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _ms(values: list[float], *quantiles: float) -> str:
+    if not values:
+        return "n/a"
     return " / ".join(f"{1000 * percentile(values, q):.0f}" for q in quantiles) + " ms"
 
 
@@ -259,12 +374,14 @@ class LoadRun:
         self.namespaces = [(f"load-{self.run_id}-{i}", tenants[i % len(tenants)]) for i in range(spec.namespaces)]
         self.outcomes: dict[tuple[str, str], ClaimOutcome] = {}  # by (namespace, pod)
         self._scheduling_before: Counter[str] | None = None
+        self._api_before: Counter[str] | None = None
         self.notes: list[str] = []
 
     def run(self) -> LoadResult:
         deadline = time.monotonic() + self.spec.timeout_s
         self._set_up()
         self._scheduling_before = scheduler_counts(self.cluster)
+        self._api_before = apiserver_counts(self.cluster)
         started = time.monotonic()
         if self._submit_all(deadline):
             self.progress(f"all {self.spec.claims} pods finished after {time.monotonic() - started:.1f}s")
@@ -273,6 +390,8 @@ class LoadRun:
         return self._result(started)
 
     def _set_up(self) -> None:
+        self.cluster.apply(agent_flow_schema())
+        wait_for(lambda: _flow_schema_in_use(self.cluster), 30, f"kube-apiserver to use FlowSchema {FLOW_SCHEMA}")
         for namespace, user in self.namespaces:
             self.cluster.create_namespace(namespace)
             for wants, device_class in TEMPLATES.items():
@@ -421,7 +540,8 @@ class LoadRun:
             violations=cluster.observer.violations(cluster.public_keys),
             leftover_fences=leftover,
             agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
-            scheduling=_counted_since(self._scheduling_before, cluster),
+            scheduling=counted_since(self._scheduling_before, scheduler_counts(cluster)),
+            api_requests=counted_since(self._api_before, apiserver_counts(cluster)),
             notes=self.notes,
         )
 
@@ -465,6 +585,8 @@ def follow(
         if not held and _allocated(claim):
             held = set(_allocated(claim))
             outcome.devices, outcome.allocated_at = tuple(sorted(d[2] for d in held)), event.at
+        if held and outcome.deallocated_at is None and (event.type == "DELETED" or not _allocated(claim)):
+            outcome.deallocated_at = event.at
         finalizers = claim["metadata"].get("finalizers") or []
         # A DELETED event shows the object as stored before its last finalizer went (see observer.py).
         removed = event.type == "DELETED" or names.FINALIZER not in finalizers

@@ -61,30 +61,44 @@ def _claim_name(claim: dict[str, Any]) -> str:
 
 
 def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25519PublicKey]) -> list[str]:
-    """What breaks scrubgate's invariant in a stream of claim changes, in resourceVersion order:
+    """What breaks scrubgate's invariant in a stream of claim (and pod) changes, in resourceVersion order:
 
-    - a device allocated to a claim while an earlier claim that held it has shown no attestation that
-      verifies (signature, claim UID, that device verified clean);
+    - a device allocated to a claim while an earlier claim that held it, and was used, has shown no
+      attestation that verifies (signature, claim UID, that device verified clean);
     - the ``scrubgate.dev/sanitize`` finalizer gone from a claim whose attestation does not verify, and
       no break-glass annotation on it (break-glass is allowed by design; it releases the object only);
-    - the allocation of a claim that carried that finalizer cleared while no verified attestation covers
-      its devices, and no break-glass annotation on it.
+    - the allocation of a used claim that carried that finalizer cleared while no verified attestation
+      covers its devices, and no break-glass annotation on it.
 
-    A claim deleted before it was ever allocated may lose the finalizer without an attestation.
+    Used: reserved for a pod that was bound to a node. A claim no pod ever ran with holds no tenant's data
+    (kube-scheduler clears such an allocation of its own in PostFilter). A claim deleted before it was ever
+    allocated may lose the finalizer without an attestation.
     """
     violations: list[str] = []
     guarded: set[str] = set()  # claims that carried the finalizer
     held: set[str] = set()  # claims that were allocated a device
+    bound: set[str] = set()  # pods seen bound to a node
+    consumers: dict[str, set[str]] = {}  # claim UID -> the pods it was seen reserved for
     last: dict[str, dict[str, Any]] = {}
     clean: dict[str, set[tuple[str, str, str]]] = {}
     holders: dict[tuple[str, str, str], set[str]] = {}
+
+    def used(uid: str) -> bool:
+        return bool(consumers.get(uid, set()) & bound)
+
     for event in sorted(events, key=lambda e: e.rv):
+        if event.resource == "pods":
+            if (event.obj.get("spec") or {}).get("nodeName"):
+                bound.add((event.obj.get("metadata") or {}).get("uid", ""))
+            continue
         if event.resource != "resourceclaims":
             continue
         claim = event.obj
         meta = claim.get("metadata") or {}
         uid = meta.get("uid", "")
         prev = last.get(uid)
+        reserved = (claim.get("status") or {}).get("reservedFor") or []
+        consumers.setdefault(uid, set()).update(r.get("uid", "") for r in reserved if r.get("resource") == "pods")
         token = (meta.get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
         verified: set[tuple[str, str, str]] = set()
         if token:
@@ -94,7 +108,11 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         clean.setdefault(uid, set()).update(verified)
         before = _allocated(prev) if prev else set()
         for device in sorted(_allocated(claim) - before):
-            dirty = [other for other in holders.get(device, set()) - {uid} if device not in clean.get(other, set())]
+            dirty = [
+                other
+                for other in holders.get(device, set()) - {uid}
+                if device not in clean.get(other, set()) and used(other)
+            ]
             for other in dirty:
                 violations.append(
                     f"rv {event.rv}: {'/'.join(device)} allocated to claim {_claim_name(claim)} while claim "
@@ -111,7 +129,7 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         if listed:
             guarded.add(uid)
         unattested = before - clean[uid]
-        if uid in guarded and before and not _allocated(claim) and unattested and not break_glass:
+        if uid in guarded and before and not _allocated(claim) and unattested and not break_glass and used(uid):
             devices = ", ".join("/".join(d) for d in sorted(unattested))
             violations.append(
                 f"rv {event.rv}: claim {_claim_name(claim)} deallocated while {devices} has no verified attestation"

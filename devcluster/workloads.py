@@ -102,9 +102,11 @@ def pod_spec(
     claim: str | None = None,
     grace: int | None = 60,
     restart_policy: str = "Never",
+    node: str | None = None,
 ) -> dict[str, Any]:
     """A one-container pod spec using one claim: from ``template`` (compliant) or the named ``claim``
-    (shared, SG002). ``grace=None`` leaves terminationGracePeriodSeconds out."""
+    (shared, SG002). ``grace=None`` leaves terminationGracePeriodSeconds out; ``node`` pins it to that node
+    (a nodeSelector on the hostname label the kubelet stand-in sets, so the scheduler still allocates)."""
     if (template is None) == (claim is None):
         raise ValueError("give exactly one of template= or claim=")
     source = {"resourceClaimTemplateName": template} if template else {"resourceClaimName": claim}
@@ -117,6 +119,8 @@ def pod_spec(
     }
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
+    if node is not None:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     return spec
 
 

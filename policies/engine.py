@@ -97,7 +97,7 @@ def validate(
             before = {f.message for f in _findings(policy, "SG002", rules.group_reservation(old))}
             found += [f for f in shared if f.message not in before]
         if _enabled(policy, "SG007"):
-            found += _guarded(policy, rules.deallocation_guard(obj, old, admission.username, policy))
+            found += _guarded(policy, rules.deallocation_guard(obj, old, admission.username, admission.groups, policy))
         return found
     found = _object_findings(obj, policy, trusted, manifest=admission is None)
     if admission is None or admission.operation == "CREATE":

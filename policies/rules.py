@@ -333,8 +333,10 @@ def finalizer_guard(
     )
     old_finalizers = as_list(metadata(old).get("finalizers"))
     new_finalizers = as_list(metadata(obj).get("finalizers"))
+    protection = _delete_protection_removal(old, new_finalizers, username, is_admin, policy)
+    violations += protection[0]
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
-        return violations, []
+        return violations, protection[1]
     if deleted_before_allocation(old) or _owes_no_scrub(old, policy):
         return violations, []
     path = "/metadata/finalizers"
@@ -343,9 +345,10 @@ def finalizer_guard(
         problem = _attestation_problem(obj, old, policy)
         if problem:
             violations.append((f"{names.FINALIZER} removed {problem}", path, ()))
-        return violations, []
+        return violations, protection[1]
     if is_admin and reason:
-        return violations, [(f"break-glass removal of {names.FINALIZER} by {username!r}: {reason}", path, ())]
+        removal = (f"break-glass removal of {names.FINALIZER} by {username!r}: {reason}", path, ())
+        return violations, [*protection[1], removal]
     violations.append(
         (
             f"user {username!r} removed the {names.FINALIZER} finalizer: only the scrubgate node agent removes it "
@@ -354,7 +357,37 @@ def finalizer_guard(
             (),
         )
     )
-    return violations, []
+    return violations, protection[1]
+
+
+def _delete_protection_removal(
+    old: dict[str, Any], new_finalizers: list[Any], username: str, is_admin: bool, policy: PolicyConfig
+) -> tuple[list[Violation], list[Violation]]:
+    """SG007: Kubernetes' `resource.kubernetes.io/delete-protection` removed from a claim that holds a GPU.
+    The resourceclaim controller removes it only once the allocation is gone; without it, the controller drops
+    the claim's reservation but keeps the allocation, and the claim then looks to the webhook like one the
+    scheduler allocated and never used. Refused; an admin may, and is recorded (the scheduler's exemption does
+    not cover a claim without it, so the allocation still holds until the attestation)."""
+    if names.DELETE_PROTECTION_FINALIZER not in as_list(metadata(old).get("finalizers")):
+        return [], []
+    if names.DELETE_PROTECTION_FINALIZER in new_finalizers or not as_dict(old.get("status")).get("allocation"):
+        return [], []
+    try:
+        if not _required_devices(old, policy):
+            return [], []
+    except AttestationError:
+        pass  # an agent's record that cannot be read: keep the guard (fail closed)
+    path = "/metadata/finalizers"
+    if is_admin:
+        return [], [
+            (f"admin {username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim holding a GPU", path, ())
+        ]
+    message = (
+        f"user {username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim that still holds a GPU: "
+        f"Kubernetes removes it once the claim is deallocated, which scrubgate allows after the node agent has "
+        f"attested the device's scrub; remove the change"
+    )
+    return [(message, path, ())], []
 
 
 def _required_devices(claim: dict[str, Any], policy: PolicyConfig) -> set[tuple[str, str, str]]:
@@ -390,21 +423,32 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
 
 
 def _scheduler_may_clear(old: dict[str, Any]) -> bool:
-    """The scheduler's PostFilter clears only the allocation of a claim reserved for nobody or for the one pod
-    it is scheduling; a claim that the old object shows reserved for another consumer, or for more than one,
-    has been in use, and the exemption does not reach it."""
+    """Whether a deallocation by the scheduler can only be its PostFilter undoing an allocation of its own that
+    no container used. The scheduler writes the allocation together with the one pod it reserves the claim for,
+    after adding `resource.kubernetes.io/delete-protection`; if that pod's binding fails, it leaves the claim
+    reserved for nobody or that pod, and PostFilter may clear it. A claim that has been used looks otherwise:
+    SG007 refuses the resourceclaim controller's release of it as a whole (reservation and allocation in one
+    update), so it stays reserved for its pods; the node agent records its devices (`scrubgate.dev/devices`)
+    when it sees the claim on its node; and a claim without delete-protection may have lost its reservation
+    through the controller while keeping its allocation. None of those is the scheduler's to clear."""
+    if names.DELETE_PROTECTION_FINALIZER not in as_list(metadata(old).get("finalizers")):
+        return False
+    if names.ANNOTATION_DEVICES in annotations(old):
+        return False
     consumers = reserved_consumers(old)
     return not consumers or (len(consumers) == 1 and consumers[0][0] == "pods")
 
 
 def deallocation_guard(
-    obj: dict[str, Any], old: dict[str, Any], username: str, policy: PolicyConfig
+    obj: dict[str, Any], old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on an UPDATE of a GPU claim's status: the allocation goes (its devices back to the pool) only
-    once the claim carries an attestation of their scrub. The agent then always finds a released claim
-    still allocated, however late it looks, e.g. after a restart. Exempt: the scheduler undoing its own
-    allocation before binding (no container ran; only a claim reserved for nobody or one pod), and a claim an
-    admin has set break-glass on.
+    once the claim carries an attestation of their scrub. Until then the allocation is what keeps the devices
+    from the next claim, and the agent always finds a released claim still allocated, however late it looks.
+    Exempt: the scheduler undoing an allocation of its own that no container used (`_scheduler_may_clear`),
+    and break-glass, where the devices are kept out of reach otherwise: the agent has fenced them with
+    DeviceTaintRules after a failed scrub (`scrub-status: failed:...`), or an admin clears the allocation
+    personally (a node gone for good, whose devices no one can be allocated).
     Returns (violations, break-glass deallocations to audit)."""
     allocation = as_dict(old.get("status")).get("allocation")
     if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
@@ -418,13 +462,26 @@ def deallocation_guard(
     if username in policy.scheduler.identities and _scheduler_may_clear(old):
         return [], []
     # The metadata of a status write is the stored one: read the attestation from the old object.
-    path = "/status/allocation"
-    reason = as_str(annotations(old).get(names.ANNOTATION_BREAK_GLASS)).strip()
-    if reason:
-        return [], [(f"break-glass deallocation by {username!r}, devices not attested clean: {reason}", path, ())]
     problem = _attestation_problem(old, old, policy)
     if problem is None:
         return [], []
+    path = "/status/allocation"
+    reason = as_str(annotations(old).get(names.ANNOTATION_BREAK_GLASS)).strip()
+    status = as_str(annotations(old).get(names.ANNOTATION_SCRUB_STATUS))
+    if reason and status.startswith(names.SCRUB_FAILED_PREFIX):
+        audit = f"break-glass deallocation by {username!r}, devices fenced after a failed scrub ({status}): {reason}"
+        return [], [(audit, path, ())]
+    if reason and any(group in policy.admin_groups for group in groups):
+        audit = f"break-glass deallocation by admin {username!r}, devices neither fenced nor attested clean: {reason}"
+        return [], [(audit, path, ())]
+    if reason:
+        message = (
+            f"user {username!r} cleared the allocation {problem}; break-glass ({reason}) lets it go only once the "
+            f"node agent has fenced the devices after a failed scrub (scrub-status {names.SCRUB_FAILED_PREFIX}...), "
+            f"since until then this allocation is all that keeps them from the next claim. Wait for the agent, or, "
+            f"for a node that is gone for good, a member of the policy's admin groups clears the allocation"
+        )
+        return [(message, path, ())], []
     return [
         (
             f"user {username!r} cleared the allocation {problem}: its devices may still hold the last tenant's "

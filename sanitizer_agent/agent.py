@@ -7,8 +7,13 @@ devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared while the age
 agent's own checkpoint, and operator rescrub requests. Everything that
 changes state goes through the TeardownEngine; this module decides *when*.
 
-Start-up order matters: every device that may be dirty is fenced before anything else happens, so a
-restarted agent never lifts a fence while another device it owes a scrub still stands unfenced.
+A device that may hold a tenant's data is kept from other claims by its claim's allocation, which the webhook
+keeps until the attestation lands; the agent fences it (DeviceTaintRules) only where that allocation cannot
+hold (see teardown.py). Start-up order matters: the fences the checkpoint owes go up, and every other
+owed teardown's allocation is checked (and fenced when gone) before anything else happens, so a restarted
+agent never lifts a fence while another device it owes a scrub stands in reach. On the way out (SIGTERM:
+an uninstall, an upgrade, the node shutting down) it fences what it still owes, since the webhook that keeps
+those allocations may be removed next.
 
 Concurrency (`max_concurrent_teardowns` > 0): the loop's thread reads events and fences new allocations
 itself, at once; everything else a claim's teardown does (release checks, drain, scrub, attestation, API
@@ -33,19 +38,21 @@ from scrubgate.policies import names
 from scrubgate.policies.attestation import deleted_before_allocation, reserved_pods
 
 from . import nvidia, rescrub
-from .checkpoint import CheckpointStore, ClaimRef, State, Teardown
+from .checkpoint import DIRTY_STATES, OWED_STATES, CheckpointStore, ClaimRef, FenceReason, State, Teardown
 from .claims import (
     DeviceKey,
     SliceDevice,
     allocated_devices,
     created_at,
     finalizer_removal_ops,
+    holds_devices,
     pod_claim_names,
     pod_finished,
     recorded_devices,
     release_reason,
     scrub_status,
     slice_devices,
+    unheld_devices,
     unscrubbable,
 )
 from .device_access import require_device_access
@@ -54,14 +61,16 @@ from .gpu import GpuBackend
 from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
 from .lanes import Lanes
 from .metrics import AgentMetrics
-from .teardown import FENCED_STATES, Signer, TeardownEngine, TeardownSettings, TransitionHook
+from .teardown import Signer, TeardownEngine, TeardownSettings, TransitionHook
 from .unguarded import add_missing_finalizer
 
 log = logging.getLogger(__name__)
 
 FINISHED_POD_MEMORY_S = 3600.0
 # A teardown past its verified scrub: nothing left but API writes, done in one advance when the API answers.
-VERIFIED_STATES = frozenset({State.VERIFIED, State.ATTESTED, State.UNFENCED, State.DONE})
+VERIFIED_STATES = frozenset({State.VERIFIED, State.ATTESTED, State.DONE})
+# Released, not yet verified clean: the allocation of the claim is asked about at each resync.
+TEARING_DOWN = frozenset({State.RELEASED, State.DRAINING, State.SCRUBBING})
 SLICE_REFRESH_S = 5.0
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
 
@@ -148,7 +157,7 @@ class Agent:
     # ---------------------------------------------------------------- start-up
 
     def start(self) -> None:
-        """Loads the checkpoint, picks the fence, and fences everything that may be dirty."""
+        """Loads the checkpoint, picks the fence, and makes sure everything that may be dirty is out of reach."""
         self.store.load()
         # Released before the restart: once finished, not to be started again for the same pods.
         self._released = {
@@ -182,11 +191,12 @@ class Agent:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()
         require_device_access(self.node, self._slices, self.backend)
-        owed = [td for td in self.store.teardowns.values() if td.state in FENCED_STATES]
+        owed = [td for td in self.store.teardowns.values() if td.state in OWED_STATES]
         if owed:
-            log.info("node %s: checkpoint owes %d teardown(s); re-fencing them first", self.node, len(owed))
+            log.info("node %s: checkpoint owes %d teardown(s); making sure they are out of reach", self.node, len(owed))
         for td in owed:
             self._guarded(td, lambda td=td: self.engine.ensure_fenced(td))
+        self._check_holds(DIRTY_STATES)
         if self.settings.nvidia_checkpoint is not None:
             for prepared in nvidia.read_prepared_claims(self.settings.nvidia_checkpoint):
                 self._adopt_prepared(prepared)
@@ -285,7 +295,7 @@ class Agent:
                 continue
             if claim is None:
                 if known is not None:
-                    self._submit(known, lambda td=known: self.engine.release(td, "claim deleted"))
+                    self._submit(known, lambda td=known: self._check_release(td), "check-release")
                 continue
             if finished and not allocated_devices(claim) and not recorded_devices(claim):
                 # kube-controller-manager (1.37) makes a new claim from the template for a pod that has ended
@@ -426,8 +436,9 @@ class Agent:
         if not devices:
             return None
         ref = ClaimRef(namespace=meta.get("namespace") or "", name=meta.get("name") or "", uid=uid)
+        not_held = unheld_devices(claim, [key for key, _ in devices], self._slices)
         # Health counts XIDs from the claim's creation: the agent may see the allocation late.
-        return self._begin(ref, devices, source="cluster", since=created_at(claim))
+        return self._begin(ref, devices, source="cluster", since=created_at(claim), not_held=not_held)
 
     def _scrubbable(self, key: DeviceKey, device: SliceDevice) -> bool:
         """Whether the agent fences and scrubs this device of its node; one that it cannot scrub (a ComputeDomain
@@ -442,12 +453,22 @@ class Agent:
         return reason is None
 
     def _begin(
-        self, ref: ClaimRef, devices: list[tuple[DeviceKey, str | None]], source: str, since: float | None = None
+        self,
+        ref: ClaimRef,
+        devices: list[tuple[DeviceKey, str | None]],
+        source: str,
+        since: float | None = None,
+        not_held: list[str] | None = None,
     ) -> Teardown | None:
         now = self.clock()
         try:
             return self.engine.begin(
-                ref, devices, source=source, allocated_at=min(since or now, now), slices=self._slices
+                ref,
+                devices,
+                source=source,
+                allocated_at=min(since or now, now),
+                slices=self._slices,
+                not_held=not_held,
             )
         except ClusterError as exc:
             td = self.store.teardowns.get(ref.uid)
@@ -467,10 +488,44 @@ class Agent:
             self._note_ended_consumers(claim)
             reason = release_reason(claim, td.claim.uid, self._finished_pods)
         if reason:
+            if not self._holds(td, claim):
+                self._allocation_lost(td, claim)
             consumers = reserved_pods(claim) if claim else []
             with self._lock:
                 self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
             self.engine.release(td, reason, consumers)
+
+    def _holds(self, td: Teardown, claim: dict[str, Any] | None) -> bool:
+        return holds_devices(claim, td.claim.uid, [(d.driver, d.pool, d.device) for d in td.devices])
+
+    def _allocation_lost(self, td: Teardown, claim: dict[str, Any] | None) -> None:
+        """The claim's allocation went (cleared, or the claim deleted) before the scrub of its devices was
+        attested, which SG007 refuses: the guard was bypassed or removed. The devices are fenced at once."""
+        if not self.engine.fence(td, FenceReason.ALLOCATION_LOST):
+            return  # fenced already
+        self.metrics.unattested_deallocations.inc()
+        gone = claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid
+        message = (
+            f"claim {td.claim} {'was deleted' if gone else 'lost its allocation'} before the scrub of "
+            f"{', '.join(d.key for d in td.devices)} on node {self.node} was attested: scrubgate's admission guard "
+            "was bypassed or removed (its webhooks deleted or not called, an admin clearing the allocation). The "
+            "devices are fenced with DeviceTaintRules until their scrub is verified; whoever got them meanwhile "
+            "may have seen the last tenant's data: find the deallocation in the API server's audit log"
+        )
+        log.error("%s", message)
+        self.engine.record_event(td, "UnattestedDeallocation", message, on_node=gone)
+
+    def _check_holds(self, states: frozenset[State]) -> None:
+        """For each teardown in `states` that no fence of ours covers: its claim is read, and fenced if its
+        allocation no longer holds the devices."""
+        for td in self._teardowns():
+            if td.state in states and td.fenced is None:
+                self._guarded(td, lambda td=td: self._check_held(td))
+
+    def _check_held(self, td: Teardown) -> None:
+        claim = self.cluster.get_claim(td.claim.namespace, td.claim.name) if td.claim.name else None
+        if td.state in DIRTY_STATES and not self._holds(td, claim):
+            self._allocation_lost(td, claim)
 
     def _check_releases(self) -> None:
         for td in self._teardowns():
@@ -482,6 +537,7 @@ class Agent:
         old name is seen as new), pods (in case a watch event was lost), all claims, slices."""
         self._refresh_slices()
         self._check_releases()
+        self._check_holds(TEARING_DOWN)
         pods, _ = self.cluster.list_node_pods(self.node)
         if self._observe_list(pods):
             self._check_releases()
@@ -604,21 +660,43 @@ class Agent:
         """Waits until the lanes have nothing left to do now; False on timeout."""
         return self._lanes is None or self._lanes.wait_idle(timeout)
 
-    def close(self) -> None:
-        """Lets the lanes finish what they are doing (a step under way ends in a checkpointed state)."""
+    def close(self, hand_over: bool = False) -> None:
+        """Lets the lanes finish what they are doing (a step under way ends in a checkpointed state); with
+        `hand_over`, then fences every teardown still owed (`hand_over`)."""
         if self._sight_pool is not None:
             self._sight_pool.shutdown(wait=True)
         if self._lanes is not None:
             self._lanes.close()
+        if hand_over:
+            self.hand_over()
         if self._fence_pool is not None:
             self._fence_pool.shutdown(wait=True)
 
+    def hand_over(self) -> None:
+        """The agent is stopping with teardowns owed: their devices are fenced, since the webhook whose guard
+        keeps their allocations may be removed next (an uninstall deletes the agents first, then the webhook
+        configurations). A restarted agent lifts them once their scrub is verified."""
+        if self._engine is None:
+            return
+        for td in self._teardowns():
+            if td.state in DIRTY_STATES and td.fenced is None:
+                try:
+                    self.engine.fence(td, FenceReason.HAND_OVER)
+                except ClusterError as exc:
+                    log.error(
+                        "claim %s: could not fence %s before stopping (%s); its allocation keeps it from other "
+                        "claims for as long as scrubgate's webhook is installed",
+                        td.claim,
+                        ", ".join(d.key for d in td.devices),
+                        exc,
+                    )
+
     def run(self, stop: threading.Event) -> None:
-        """start(), then watch and tick until `stop` is set."""
+        """start(), then watch and tick until `stop` is set; on the way out, `hand_over`."""
         try:
             self._run(stop)
         finally:
-            self.close()
+            self.close(hand_over=True)
 
     def _run(self, stop: threading.Event) -> None:
         self.start()

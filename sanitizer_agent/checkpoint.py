@@ -3,8 +3,9 @@
 One JSON file on the node (hostPath), written atomically: a temp file in the same directory, fsync,
 rename over the real one, fsync the directory. A crash leaves either the old or the new file, never a
 mix; a stray temp file is ignored. The file carries a version; the agent reads the versions it knows
-(version 1, written before the fences were lifted ahead of the attestation's write, is carried over) and
-refuses any other loudly rather than guess: a misread checkpoint could lift a fence on a dirty device.
+(1 and 2, written when every allocation was fenced from first sight, are carried over: their teardowns
+keep their fences) and refuses any other loudly rather than guess: a misread checkpoint could lift a fence
+on a dirty device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .gpu.base import MigPlacement
 
-VERSION = 2
+VERSION = 3
 DEFAULT_PATH = Path("/var/lib/scrubgate/agent-checkpoint.json")
 
 
@@ -31,23 +32,41 @@ class CheckpointError(RuntimeError):
 class State(StrEnum):
     """Teardown states, in order; FAILED can follow any of them."""
 
-    ALLOCATED = "allocated"  # fenced (a DeviceTaintRule per device) while the claim holds the devices
+    # The claim holds the devices. Its allocation keeps them from every other claim, and stays until the
+    # attestation lands (the webhook's SG007), so no fence is needed unless `Teardown.fenced`.
+    ALLOCATED = "allocated"
     RELEASED = "released"  # the claim let go; the device may hold the tenant's data
     DRAINING = "draining"  # waiting (bounded) for every process on the device to exit
     SCRUBBING = "scrubbing"  # zero, verify, health check
     VERIFIED = "verified"  # every device verified clean; next: sign
-    ATTESTED = "attested"  # attestation signed; next: delete our fences
-    # Fences lifted; next: write the attestation to the claim. In this order, the resourceclaim controller's
-    # deallocation (allowed once the attestation is on the claim) comes after the fences went, and the retry
-    # kube-scheduler gives a pod waiting for a device at that deallocation finds it untainted.
-    UNFENCED = "unfenced"
-    # Attestation written, and the finalizer removed by the same patch where the attestation held; next:
-    # remove the finalizer if it is still there (a crash, a claim that changed), then forget the teardown.
+    # Attestation signed; next: write it to the claim, removing the finalizer in the same patch where it holds
+    # for the claim (or, the claim gone, into an Event on the node).
+    ATTESTED = "attested"
+    # Attestation published; next: lift the teardown's fences, if it has any (only now: a fenced device's claim
+    # may no longer hold it, and it is handed out again only once its attestation can be read), remove the
+    # finalizer if it is still there (a crash, a claim that changed), then forget the teardown.
     DONE = "done"
-    FAILED = "failed"  # fence kept, scrub-failed taint added; retried with backoff, then an operator
+    FAILED = "failed"  # fenced, scrub-failed taint added; retried with backoff, then an operator
 
+
+# Where a device may hold a tenant's data: out of reach of other claims, by its claim's allocation or a fence.
+DIRTY_STATES = frozenset({State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.FAILED})
+# Where the teardown's own fences, if it has any, still stand: until its attestation is signed and they go.
+OWED_STATES = DIRTY_STATES | {State.VERIFIED, State.ATTESTED}
 
 FenceKind = Literal["rule", "node"]
+
+
+class FenceReason(StrEnum):
+    """Why a teardown fences its devices instead of leaving them to its claim's allocation (a metric label)."""
+
+    # At first sight: the allocation does not keep every device from other claims (admin access, a device
+    # several claims may hold, memory shared with a device that consumes none of the allocation's counters).
+    NOT_HELD = "not-held"
+    # The allocation went (cleared, or the claim deleted) before the attestation: the guard was bypassed.
+    ALLOCATION_LOST = "allocation-lost"
+    FAILED = "failed"  # the teardown failed: its claim may be let go (break-glass) while the device is dirty
+    HAND_OVER = "hand-over"  # the agent stopped with the teardown owed (uninstall, upgrade, a node shutting down)
 
 
 class _Model(BaseModel):
@@ -102,8 +121,9 @@ class DeviceRecord(FencedDevice):
 class OverlapRecord(FencedDevice):
     """A device of this node whose memory overlaps one of the claim's (the GPU a MIG device is carved
     from, or a MIG device carved from the claim's GPU). With partitionable devices (dynamic MIG) they
-    share counters, so the scheduler may hand it out as soon as the claim's device is released, while
-    that memory is still dirty. Fenced, never scrubbed itself: it is clean once the claim's devices are."""
+    consume the same counters, so the claim's allocation keeps it from other claims too; without shared
+    counters it does not, and the teardown fences it. Never scrubbed itself: it is clean once the claim's
+    devices are."""
 
     shares_memory_with: list[str]  # keys of the claim's devices it overlaps
 
@@ -113,7 +133,11 @@ class Teardown(_Model):
     devices: list[DeviceRecord]
     overlaps: list[OverlapRecord] = []
     state: State
-    fence: FenceKind
+    fence: FenceKind  # how it fences where it must: DeviceTaintRules, or the node taint where none are served
+    # Whether its fences stand (or are owed after a crash): set, and checkpointed, before the first one goes up;
+    # they go only after a verified scrub. None while its claim's allocation alone keeps the devices.
+    fenced: FenceReason | None = None
+    not_held: list[str] = []  # why its allocation does not keep every device it covers from other claims
     # Where the teardown was learnt from: "cluster" (a claim on this node) or "nvidia-checkpoint".
     source: str = "cluster"
     allocated_at: float  # unix time of first sight; health is checked since then
@@ -133,14 +157,14 @@ class Teardown(_Model):
     def holds(self, key: str) -> bool:
         return any(d.key == key for d in self.devices)
 
-    def fenced(self) -> list[FencedDevice]:
-        """Every device this teardown keeps fenced until its own are verified clean: what first sight and
-        a restart fence, and what the unfence after a verified scrub lifts."""
+    def fence_targets(self) -> list[FencedDevice]:
+        """Every device a fence of this teardown covers until its own are verified clean: its devices and
+        those sharing memory with them."""
         return [*self.devices, *self.overlaps]
 
 
 class CheckpointFile(_Model):
-    version: Literal[2]
+    version: Literal[3]
     node: str
     teardowns: dict[str, Teardown] = {}  # by claim UID
 
@@ -208,11 +232,11 @@ def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
             "then fences every device that the claims on this node or NVIDIA's checkpoint show as used"
         ) from exc
     version = data.get("version") if isinstance(data, dict) else None
-    if version == 1:
-        data = _from_version_1(data)
+    if version in (1, 2):
+        data = _from_version_2(_from_version_1(data) if version == 1 else data)
     elif version != VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has version {version!r}; this agent reads versions 1 and {VERSION}. Refusing to "
+            f"checkpoint {path} has version {version!r}; this agent reads versions 1 to {VERSION}. Refusing to "
             "start rather than misread it: run the agent release that wrote it, or move the file aside"
         )
     try:
@@ -229,13 +253,32 @@ def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
 
 def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
     """Version 1 wrote the attestation to the claim before it lifted the fences: its `unfenced` (attestation
-    written, fences still up) resumes as `attested` (lift, then write again: both idempotent). Its other
+    written, fences still up) is version 2's `attested` (lift, then write again: both idempotent). Its other
     states mean what they mean in version 2."""
     teardowns = data.get("teardowns")
     if isinstance(teardowns, dict):
         for teardown in teardowns.values():
-            if isinstance(teardown, dict) and teardown.get("state") == State.UNFENCED:
+            if isinstance(teardown, dict) and teardown.get("state") == "unfenced":
                 teardown["state"] = State.ATTESTED.value
+    return {**data, "version": 2}
+
+
+def _from_version_2(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 fenced every allocation with DeviceTaintRules from first sight (in weak mode, with the node
+    taint once the teardown began), and lifted them before writing the attestation: its `unfenced` (lifted,
+    attestation next) is version 3's `attested` with no fence; every earlier state keeps its fences, which go
+    after the attestation is written, as a fenced teardown's do in version 3."""
+    teardowns = data.get("teardowns")
+    if isinstance(teardowns, dict):
+        for teardown in teardowns.values():
+            if not isinstance(teardown, dict):
+                continue
+            if teardown.get("state") == "unfenced":
+                teardown["state"] = State.ATTESTED.value
+            elif teardown.get("state") != State.DONE and (
+                teardown.get("fence") != "node" or teardown.get("state") != State.ALLOCATED
+            ):
+                teardown["fenced"] = FenceReason.HAND_OVER.value
     return {**data, "version": VERSION}
 
 

@@ -35,6 +35,8 @@ class SliceDevice:
     # created yet would live (see partitions.py).
     partition: Partition | None = None
     placement: MigPlacement | None = None
+    # `allowMultipleAllocations` (KEP-5075, consumable capacity): several claims may be allocated it at once.
+    shared: bool = False
 
 
 def unscrubbable(key: DeviceKey, device: SliceDevice) -> str | None:
@@ -110,6 +112,33 @@ def allocated_devices(claim: dict[str, Any]) -> list[DeviceKey]:
         if all(isinstance(r.get(k), str) and r.get(k) for k in ("driver", "pool", "device")):
             keys.append((r["driver"], r["pool"], r["device"]))
     return list(dict.fromkeys(keys))
+
+
+def holds_devices(claim: dict[str, Any] | None, uid: str, keys: Iterable[DeviceKey]) -> bool:
+    """Whether the claim (still the one of this UID) is allocated every device of `keys`: then its allocation
+    keeps them from other claims."""
+    return claim is not None and _meta(claim).get("uid") == uid and set(keys) <= set(allocated_devices(claim))
+
+
+def unheld_devices(
+    claim: dict[str, Any], keys: Iterable[DeviceKey], slices: Mapping[DeviceKey, SliceDevice]
+) -> list[str]:
+    """Why the claim's allocation does not keep some of `keys` from other claims: a device allocated with admin
+    access (the scheduler allocates it to other claims beside it) or one several claims may be allocated at once
+    (`allowMultipleAllocations`, a shared allocation)."""
+    wanted = set(keys)
+    found = []
+    results = _list(_dict(_dict(_dict(claim.get("status")).get("allocation")).get("devices")).get("results"))
+    for result in results:
+        r = _dict(result)
+        key = (r.get("driver"), r.get("pool"), r.get("device"))
+        if key not in wanted:
+            continue
+        if r.get("adminAccess") is True:
+            found.append(f"{key_str(key)} is allocated with admin access, beside which other claims may get it")
+        elif r.get("shareID") or (key in slices and slices[key].shared):
+            found.append(f"{key_str(key)} may be allocated to several claims at once")
+    return list(dict.fromkeys(found))
 
 
 def recorded_devices(claim: dict[str, Any]) -> list[tuple[DeviceKey, str | None]]:
@@ -270,6 +299,8 @@ def slice_devices(slices: Iterable[dict[str, Any]]) -> dict[DeviceKey, SliceDevi
                 type=_string_attribute(attributes, driver, "type"),
                 partition=partition,
                 placement=placement_of(name, parent_uuid, partition),
+                shared=(d.get("allowMultipleAllocations") or _dict(d.get("basic")).get("allowMultipleAllocations"))
+                is True,
             )
     return found
 

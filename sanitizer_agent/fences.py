@@ -1,18 +1,20 @@
-"""Fences: what stops the scheduler from handing a device that may hold a tenant's data to the next claim.
+"""Fences: DeviceTaintRules that keep a device that may hold a tenant's data from the scheduler, where the
+claim's own allocation cannot.
 
-The fence is a DeviceTaintRule per claim and device, `scrubgate.dev/unsanitized:NoSchedule`, from first
-sight of the allocation until a verified scrub; a second rule, `scrubgate.dev/scrub-failed`, marks a
-failed teardown. One rule per claim *and* device (not per device) so that a device two claims share stays
-fenced until both are torn down. Rule names derive from the claim UID and the device, so creating and
+Normally nothing needs them: SG007 keeps a released GPU claim allocated until the agent's attestation lands,
+and an allocated device goes to no other claim. kube-scheduler retries every pending DRA pod whenever a
+DeviceTaintRule comes or goes (its ResourceSlice tracker reports each as a slice update), so a fence per
+allocation would cost the whole cluster's scheduling; the agent fences only where the allocation cannot
+hold (`checkpoint.FenceReason`). A fence is `scrubgate.dev/unsanitized:NoSchedule`, one rule per claim and
+device (a device two claims share stays fenced until both are torn down); `scrubgate.dev/scrub-failed`
+marks a failed teardown's own devices. Rule names derive from the claim UID and the device, so creating and
 deleting are idempotent and a restarted agent finds its own rules again.
 
-A teardown also fences the devices whose memory overlaps its own (a MIG device's parent GPU, a GPU's MIG
-devices; see `OverlapRecord`), with the same per-claim rules: a GPU that slices of two claims overlap
-stays fenced until both are torn down. Only the claim's own devices get the scrub-failed rule.
+A fence also covers the devices whose memory overlaps the claim's (a MIG device's parent GPU, a GPU's MIG
+devices; see `OverlapRecord`).
 
-Where no DeviceTaintRule API is served the fence falls back to a node taint during teardown: weaker,
-because it is not there while the claim holds the device, and the scheduler can hand the device out
-between the claim's release and the taint. The agent says so loudly and counts it.
+Where no DeviceTaintRule API is served the fence is a node taint: weaker, since it blocks the whole node,
+and the agent says so loudly and counts it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from scrubgate.policies import names
 
-from .checkpoint import FencedDevice, OverlapRecord, State, Teardown
+from .checkpoint import OWED_STATES, FencedDevice, OverlapRecord, State, Teardown
 from .kube import ClusterClient, Conflict
 from .metrics import AgentMetrics
 
@@ -70,9 +72,10 @@ class Fencer:
         if rule_version is None:
             log.error(
                 "WEAK FENCE on node %s: the API server serves no DeviceTaintRule (resource.k8s.io v1, v1beta2 or "
-                "v1alpha3). Falling back to the node taint %s during teardown, which cannot stop the scheduler "
-                "from reusing a device between its release and the taint. Enable the DRADeviceTaints feature "
-                "(and DRADeviceTaintRules where needed) to get per-device fences.",
+                "v1alpha3). Where a device must be fenced (a failed scrub, a deallocation that bypassed the "
+                "webhook, admin access, a shutdown with teardowns owed) the agent taints the whole node with %s "
+                "instead, and cannot fence a device whose allocation is gone before it sees that. Enable the "
+                "DRADeviceTaints feature (and DRADeviceTaintRules where needed) to get per-device fences.",
                 node,
                 names.TAINT_UNSANITIZED,
             )
@@ -97,22 +100,22 @@ class Fencer:
             },
         }
 
-    def fence(self, td: Teardown, tearing_down: bool) -> None:
-        """Ensures the unsanitized fence: a rule per fenced device, or (weak mode, during teardown) the node taint."""
+    def fence(self, td: Teardown) -> None:
+        """Ensures the unsanitized fence of every device the teardown covers: a rule each, or the node taint."""
         if self.rule_version:
             self._each(
                 lambda device: self.cluster.create_device_taint_rule(
                     self.rule_version, self._rule(td, device.fence_rule, device, names.TAINT_UNSANITIZED, td.claim.uid)
                 ),
-                td.fenced(),
+                td.fence_targets(),
             )
-        elif tearing_down:
+        else:
             with self._node_taint:
                 self._ensure_node_taint(names.TAINT_UNSANITIZED)
 
     def mark_failed(self, td: Teardown, reason: str) -> None:
         """Adds the scrub-failed taint next to the unsanitized one (which stays)."""
-        self.fence(td, tearing_down=True)
+        self.fence(td)
         if self.rule_version:
             for device in td.devices:
                 body = self._rule(td, device.failed_rule, device, names.TAINT_SCRUB_FAILED, reason)
@@ -129,14 +132,15 @@ class Fencer:
                 for device in td.devices:
                     self.cluster.delete_device_taint_rule(self.rule_version, device.failed_rule)
             self._each(
-                lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule), td.fenced()
+                lambda fenced: self.cluster.delete_device_taint_rule(self.rule_version, fenced.fence_rule),
+                td.fence_targets(),
             )
             return
         with self._node_taint:
             others = [o for o in others if o.claim.uid != td.claim.uid]
             if not any(o.state == State.FAILED for o in others):
                 self._remove_node_taint(names.TAINT_SCRUB_FAILED)
-            if not any(o.state not in (State.ALLOCATED, State.UNFENCED, State.DONE) for o in others):
+            if not any(o.fenced and o.state in OWED_STATES for o in others):
                 self._remove_node_taint(names.TAINT_UNSANITIZED)
 
     # ---------------------------------------------------------------- node taint (weak fence)

@@ -8,6 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .checkpoint import FenceReason
+
 # Scrub-failure reasons, a fixed set so the metric's label stays bounded.
 FAILURE_REASONS = ("drain-timeout", "gpu-error", "scrub-failed", "unhealthy", "no-uuid")
 
@@ -34,7 +36,8 @@ class AgentMetrics:
             self.failures.labels(reason=reason)
         self.fenced_devices = Gauge(
             "scrubgate_agent_fenced_devices",
-            "Devices this agent keeps fenced (allocated or being torn down).",
+            "Devices under a fence of this agent (a DeviceTaintRule or the node taint): where a claim's allocation "
+            "could not keep them from other claims until their scrub.",
             registry=r,
         )
         self.failed_devices = Gauge(
@@ -50,9 +53,24 @@ class AgentMetrics:
         self.node_taint_fences = Counter(
             "scrubgate_agent_node_taint_fences", "Times the agent fenced with a node taint (weaker fence).", registry=r
         )
+        self.fences = Counter(
+            "scrubgate_agent_fences",
+            "Teardowns fenced with DeviceTaintRules (or the node taint) because their claim's allocation could not "
+            "keep the devices from other claims, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FenceReason:
+            self.fences.labels(reason=reason.value)
+        self.unattested_deallocations = Counter(
+            "scrubgate_agent_unattested_deallocations",
+            "Allocations found gone (cleared, or the claim deleted) before the scrub of their devices was attested: "
+            "scrubgate's admission guard was bypassed or removed.",
+            registry=r,
+        )
         self.teardown_overhead = Histogram(
             "scrubgate_agent_teardown_overhead_seconds",
-            "The agent's own time from release seen to fence lifted, not counting drain waits and the scrub.",
+            "The agent's own time from release seen to the attestation written, not counting drain waits and the scrub.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )

@@ -1,21 +1,26 @@
 """The teardown state machine, one per claim (with the claim's devices on this node).
 
-    allocated(fenced) -> released -> draining -> scrubbing -> verified -> attested -> unfenced -> done
-                                 \\-----------------\\-----------------------> failed (fence kept)
+    allocated -> released -> draining -> scrubbing -> verified -> attested -> done
+                          \\-----------------\\------------> failed (fenced)
 
-The fences go before the attestation is written to the claim: the claim stays allocated (its devices out
-of the scheduler's reach) until then, and the resourceclaim controller's deallocation, which kube-scheduler
-acts on, then finds the devices unfenced.
+Until the attestation is on the claim, the claim's own allocation keeps its devices from every other claim:
+SG007 refuses the resourceclaim controller's deallocation until then. So a teardown fences (DeviceTaintRules,
+`fences.py`) only where that allocation cannot hold (`checkpoint.FenceReason`): admin access or memory the
+allocation does not cover, an allocation gone before the attestation, a failed teardown (its claim may be
+let go by break-glass), and the agent stopping with the teardown owed. Fences, where there are any, go only
+after the attestation is published (on the claim, or in an Event on the node when the claim is gone): a
+fenced device, whose claim may no longer hold it, is handed out again only once a verified attestation of its
+scrub can be read. kube-scheduler retries waiting pods when a DeviceTaintRule goes.
 
 Crash safety: every transition is written to the checkpoint *before* the side effect that follows it,
 and every side effect is idempotent (create-if-absent, delete-if-present, patch guarded by `test` ops).
 The state in the checkpoint therefore names the next step to (re)do, and a restarted agent simply
-resumes: it re-ensures the fences of every teardown that may still be dirty, then carries on. A fence
-is deleted only in `attested`, which only follows a verified scrub and a signed attestation; the
-finalizer is removed only by the patch that writes an attestation that verifies for the claim (`unfenced`),
-or after the claim carries one (`done`, which removes it where that patch could not).
-What a teardown fences is `Teardown.fenced()`: its devices and those sharing memory with them, all in
-the checkpoint before any of them is fenced.
+resumes: it re-ensures the fences of every teardown that has them, makes sure the allocation still holds
+the others' devices, then carries on. A fence is deleted only in `done`, which only follows a verified scrub
+and an attestation published; the finalizer is removed only by the patch that writes an attestation that
+verifies for the claim (`attested`), or after the claim carries one (`done`, which removes it where that
+patch could not). What a fence covers is `Teardown.fence_targets()`: the claim's devices and those sharing
+memory with them, all in the checkpoint before any of them is fenced.
 """
 
 from __future__ import annotations
@@ -41,7 +46,18 @@ from scrubgate.policies.attestation import (
     sign,
 )
 
-from .checkpoint import CheckpointStore, ClaimRef, DeviceRecord, OverlapRecord, ScrubRecord, State, Teardown
+from .checkpoint import (
+    DIRTY_STATES,
+    OWED_STATES,
+    CheckpointStore,
+    ClaimRef,
+    DeviceRecord,
+    FenceReason,
+    OverlapRecord,
+    ScrubRecord,
+    State,
+    Teardown,
+)
 from .claims import (
     DeviceKey,
     SliceDevice,
@@ -60,10 +76,6 @@ from .partitions import device_health, device_processes, scrub_device
 
 log = logging.getLogger(__name__)
 
-# States in which a device may hold a tenant's data (or is about to be checked): the fence must stand.
-FENCED_STATES = frozenset(
-    {State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.VERIFIED, State.ATTESTED, State.FAILED}
-)
 CONFLICT_RETRIES = 5
 STATUS_MAX = 256
 
@@ -128,6 +140,24 @@ def overlap_records(
     ]
 
 
+def unheld_overlaps(
+    devices: list[DeviceRecord], overlaps: list[OverlapRecord], slices: Mapping[DeviceKey, SliceDevice]
+) -> list[str]:
+    """Why the claim's allocation does not keep some of `overlaps` from other claims: a device sharing memory
+    with one of the claim's that consumes none of the same counters (NVIDIA's dynamic MIG publishes a GPU and
+    its MIG placements on shared memory-slice counters, so allocating one takes the others; static MIG
+    publishes no parent GPU at all). Unknown devices count as not held (fail closed)."""
+    found = []
+    for overlap in overlaps:
+        mine = [slices.get((d.driver, d.pool, d.device)) for d in devices if d.key in overlap.shares_memory_with]
+        other = slices.get((overlap.driver, overlap.pool, overlap.device))
+        if not any(
+            d is not None and d.partition is not None and d.partition.overlaps(other and other.partition) for d in mine
+        ):
+            found.append(f"{overlap.key} shares memory with {', '.join(overlap.shares_memory_with)} but no counter")
+    return found
+
+
 class TeardownEngine:
     def __init__(
         self,
@@ -155,7 +185,10 @@ class TeardownEngine:
         self.clock = clock
         self.on_transition = on_transition
         # What this process already made sure of; empty after a restart, so everything is re-ensured once.
-        self._fenced: dict[str, bool] = {}  # claim UID -> fenced for teardown (True) or allocation (False)
+        self._fenced: set[str] = set()  # claim UIDs whose fences stand
+        # Fencing a teardown and lifting its fences, one at a time: a fence decided on another thread (the
+        # allocation found gone) must not go up after its teardown's lane has lifted the others.
+        self._fence_lock = threading.Lock()
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
         # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
@@ -174,9 +207,11 @@ class TeardownEngine:
         source: str,
         allocated_at: float,
         slices: Mapping[DeviceKey, SliceDevice],
+        not_held: list[str] | None = None,
     ) -> Teardown:
-        """A new allocation on this node: record it (with the devices of `slices` sharing memory with it),
-        then fence it."""
+        """A new allocation on this node: record it (with the devices of `slices` sharing memory with it), and
+        fence it where the allocation does not keep its devices from other claims (`not_held`, the claim's own
+        reasons, and memory shared without a counter)."""
         records = [
             DeviceRecord(
                 driver=key[0],
@@ -189,52 +224,70 @@ class TeardownEngine:
             )
             for key, uuid in devices
         ]
+        overlaps = overlap_records(claim.uid, records, slices)
         td = Teardown(
             claim=claim,
             devices=records,
-            overlaps=overlap_records(claim.uid, records, slices),
+            overlaps=overlaps,
             state=State.ALLOCATED,
             fence="node" if self.fencer.weak else "rule",
+            not_held=[*(not_held or []), *unheld_overlaps(records, overlaps, slices)],
             source=source,
             allocated_at=allocated_at,
         )
         with self.store.lock:
             self.store.teardowns[claim.uid] = td
-        log.info("claim %s: allocated %s on %s; fencing", claim, ", ".join(d.key for d in records), self.node)
-        if td.overlaps:
-            log.info(
-                "claim %s: also fencing %s (memory shared with its devices)",
-                claim,
-                ", ".join(o.key for o in td.overlaps),
-            )
+        log.info("claim %s: allocated %s on %s", claim, ", ".join(d.key for d in records), self.node)
         self._commit(td)
         self.ensure_fenced(td)
         self.schedule(td)
         return td
 
     def cover_overlaps(self, td: Teardown, slices: Mapping[DeviceKey, SliceDevice]) -> None:
-        """Fences, for a teardown that may still be dirty, the devices of `slices` sharing memory with its
-        own that it does not fence yet (the slices were unknown at first sight, or have changed since);
-        checkpointed first. Fences are only ever added here: a device drops out with the teardown."""
+        """Adds, for a teardown that may still be dirty, the devices of `slices` sharing memory with its own that
+        it does not cover yet (the slices were unknown at first sight, or have changed since), checkpointed;
+        fences them where the teardown is fenced, or where its allocation does not hold them. Devices are only
+        ever added here: one drops out with the teardown."""
         with self.store.lock:  # the claim's lane may be moving it on meanwhile
-            if td.state not in FENCED_STATES:
+            if td.state not in DIRTY_STATES:
                 return
             known = {o.key for o in td.overlaps}
             added = [o for o in overlap_records(td.claim.uid, td.devices, slices) if o.key not in known]
+            unheld = unheld_overlaps(td.devices, added, slices)
             if added:
                 td.overlaps = [*td.overlaps, *added]
+                td.not_held = [*td.not_held, *unheld]
         if not added:
             return
-        log.warning(
-            "claim %s: now also fencing %s (memory shared with its devices)", td.claim, ", ".join(o.key for o in added)
-        )
+        log.warning("claim %s: its memory is now also shared with %s", td.claim, ", ".join(o.key for o in added))
         self._save()
-        # Under the lock: an unfence (a transition, then the lift) cannot slip in between, or it could lift the
-        # fences before these go up and leave them standing.
-        with self.store.lock:
-            if td.state in FENCED_STATES:
-                self._fenced.pop(td.claim.uid, None)
-                self.ensure_fenced(td)
+        if td.fenced is not None:
+            self._fenced.discard(td.claim.uid)  # the new ones too
+            self.fence(td, td.fenced)
+        else:
+            self.ensure_fenced(td)
+
+    def fence(self, td: Teardown, reason: FenceReason) -> bool:
+        """Fences the teardown's devices (and what shares their memory) while they may hold a tenant's data,
+        the decision checkpointed first; True when this decided it (it was not fenced yet)."""
+        with self._fence_lock:
+            with self.store.lock:
+                if td.state not in DIRTY_STATES or self.store.teardowns.get(td.claim.uid) is not td:
+                    return False  # verified clean, or gone
+                decided = td.fenced is None
+                if decided:
+                    td.fenced = reason
+            if decided:
+                log.warning(
+                    "claim %s: fencing %s (%s)",
+                    td.claim,
+                    ", ".join(d.key for d in td.fence_targets()),
+                    _FENCE_WHY[reason] + (f": {'; '.join(td.not_held)}" if reason == FenceReason.NOT_HELD else ""),
+                )
+                self._save()
+                self.metrics.fences.labels(reason=reason.value).inc()
+            self.ensure_fenced(td)
+            return decided
 
     def release(self, td: Teardown, reason: str, consumers: list[tuple[str, str]] | None = None) -> None:
         """The claim no longer holds its devices; `consumers` are the pods it was reserved for (the attestation
@@ -245,6 +298,7 @@ class TeardownEngine:
         self._transition(
             td, State.RELEASED, released_at=self.clock(), release_reason=reason, consumers=list(consumers or [])
         )
+        self.ensure_fenced(td)  # weak mode: a fence its allocation needs waited for the release
         self.schedule(td)
 
     def rescrub(self, td: Teardown) -> bool:
@@ -261,7 +315,7 @@ class TeardownEngine:
         """Runs the teardown as far as it can go now. ClusterError propagates (the caller retries later
         with backoff; the state is unchanged and every step is safe to redo)."""
         while self.store.teardowns.get(td.claim.uid) is td:
-            if td.state in FENCED_STATES:
+            if td.state in OWED_STATES:
                 self.ensure_fenced(td)
             outcome = getattr(self, f"_on_{td.state.value}")(td)
             if outcome is None:
@@ -270,21 +324,22 @@ class TeardownEngine:
             self._transition(td, state, **changes)
 
     def waiting(self, td: Teardown) -> bool:
-        """Whether `advance` has nothing to do for `td` until something happens to it: allocated, fenced and
-        announced (until its release), or failed and reported with no retry due (until an operator acts)."""
+        """Whether `advance` has nothing to do for `td` until something happens to it: allocated, fenced where it
+        must be and announced (until its release), or failed and reported with no retry due (until an operator
+        acts)."""
         uid = td.claim.uid
         if td.state == State.ALLOCATED:
-            return uid in self._fenced and uid in self._status
+            return (td.fenced is None or uid in self._fenced) and uid in self._status
         if td.state == State.FAILED:
             return td.failure_reported and (td.retry_at is None or self.clock() < td.retry_at)
         return False
 
     def fenced_devices(self) -> tuple[int, int]:
-        """(devices under a fence, devices failed)."""
+        """(devices under a fence of ours, devices failed)."""
         fenced = failed = 0
         for td in list(self.store.teardowns.values()):  # also read by the /healthz thread
-            if td.state in FENCED_STATES and not (td.fence == "node" and td.state == State.ALLOCATED):
-                fenced += len(td.fenced())
+            if td.fenced is not None and td.state in OWED_STATES:
+                fenced += len(td.fence_targets())
             if td.state == State.FAILED:
                 failed += len(td.devices)
         return fenced, failed
@@ -312,20 +367,21 @@ class TeardownEngine:
     def _forget(self, td: Teardown) -> None:
         with self.store.lock:
             del self.store.teardowns[td.claim.uid]
-        self._fenced.pop(td.claim.uid, None)
+        self._fenced.discard(td.claim.uid)
         self._status.pop(td.claim.uid, None)
         self._claims.pop(td.claim.uid, None)
         self.store.save()
 
     def ensure_fenced(self, td: Teardown) -> None:
-        """Makes sure, once per process and teardown, that its fence stands (again, after a restart)."""
-        tearing_down = td.state != State.ALLOCATED
-        # Weak mode: the node taint goes up only when the teardown starts, so ensure it again then.
-        level = tearing_down and self.fencer.weak
-        done = self._fenced.get(td.claim.uid)
-        if done is None or (level and not done):
-            self.fencer.fence(td, tearing_down=tearing_down)
-            self._fenced[td.claim.uid] = level
+        """Makes sure, once per process and teardown, that the fences it must have stand (again, after a
+        restart): those it has, and where its allocation does not hold every device (weak mode: once the
+        teardown begins, since the node taint keeps the whole node from other claims), the first ones."""
+        if td.fenced is None:
+            if td.not_held and td.state in DIRTY_STATES and (td.state != State.ALLOCATED or not self.fencer.weak):
+                self.fence(td, FenceReason.NOT_HELD)  # back here once decided
+        elif td.claim.uid not in self._fenced:
+            self.fencer.fence(td)
+            self._fenced.add(td.claim.uid)
 
     def _drain_fields(self) -> dict[str, Any]:
         return {
@@ -339,21 +395,26 @@ class TeardownEngine:
         retry_at = None
         if attempts < self.settings.max_attempts:
             retry_at = self.clock() + self.settings.retry_backoff_s * 2 ** (attempts - 1)
-        log.error("claim %s: teardown failed (%s: %s); devices stay fenced", td.claim, category, detail)
+        log.error("claim %s: teardown failed (%s: %s); fencing its devices", td.claim, category, detail)
+        if td.fenced is None:
+            self.metrics.fences.labels(reason=FenceReason.FAILED.value).inc()
         return State.FAILED, {
             "reason": f"{category}: {detail}",
             "attempts": attempts,
             "retry_at": retry_at,
             "failure_reported": False,
+            # Fenced by `_on_failed`, before the claim says `failed:`, which lets break-glass deallocate it.
+            "fenced": td.fenced or FenceReason.FAILED,
         }
 
     # ---------------------------------------------------------------- claim writes
 
     def _write_claim(self, td: Teardown, updates: dict[str, str], *, release: bool = False) -> bool:
         """Sets annotations on the claim; False when the claim is gone (nothing left to annotate). `release`:
-        the same patch removes the finalizer where the attestation among `updates` holds for the claim, so
-        that the resource claim controller sees one change, attested and released, instead of two, the
-        second of which would fail its deallocation with a conflict and put it into its backoff.
+        the same patch removes the finalizer where the attestation among `updates` holds for the claim and the
+        claim outlives that patch, so that the resource claim controller sees one change, attested and
+        released, instead of two, the second of which would fail its deallocation with a conflict and put it
+        into its backoff.
 
         The first try patches the copy the last write returned, saving a GET on the teardown's path; the
         patch's `test` ops make a stale copy fail (Conflict), and then the claim is read afresh."""
@@ -370,7 +431,7 @@ class TeardownEngine:
                     self._claims[td.claim.uid] = claim
                     return True
             ops = annotation_ops(claim, updates)
-            releasing = release and self._attestation_problem(td, claim) is None
+            releasing = release and _outlives_the_write(claim) and self._attestation_problem(td, claim) is None
             if releasing:
                 ops += finalizer_removal_ops(claim, None) or []  # the attestation is written by this patch
             try:
@@ -410,7 +471,7 @@ class TeardownEngine:
     def _devices_annotation(self, td: Teardown) -> str:
         return devices_annotation(((d.driver, d.pool, d.device), d.uuid) for d in td.devices)
 
-    def _event(
+    def record_event(
         self,
         td: Teardown,
         reason: str,
@@ -450,12 +511,9 @@ class TeardownEngine:
     # ---------------------------------------------------------------- the steps: side effect, then what next
 
     def _on_allocated(self, td: Teardown) -> Outcome:
-        if self._status.get(td.claim.uid) is None:
-            if td.fence == "rule":
-                self._announce(td, names.SCRUB_FENCED, {names.ANNOTATION_DEVICES: self._devices_annotation(td)})
-            elif self._write_claim(td, {names.ANNOTATION_DEVICES: self._devices_annotation(td)}):
-                # Weak mode: nothing fences the device while it is allocated; say nothing we don't do.
-                self._status[td.claim.uid] = ""
+        # The record of its devices, which SG007 reads once the allocation is gone, and `fenced`: kept from
+        # other claims (by the allocation, or where it cannot, by fences).
+        self._announce(td, names.SCRUB_FENCED, {names.ANNOTATION_DEVICES: self._devices_annotation(td)})
         return None  # until release
 
     def _on_released(self, td: Teardown) -> Outcome:
@@ -569,16 +627,9 @@ class TeardownEngine:
         return State.ATTESTED, {"attestation": self.signer.sign(payload)}
 
     def _on_attested(self, td: Teardown) -> Outcome:
-        # Only reachable through a verified scrub and a signed attestation (see the module docstring).
-        self.fencer.lift(td, list(self.store.teardowns.values()))
-        if td.released_at is not None:
-            scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
-            self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
-        log.info("claim %s: %s verified clean; fence lifted", td.claim, ", ".join(d.key for d in td.devices))
-        return State.UNFENCED, {"reason": None}
-
-    def _on_unfenced(self, td: Teardown) -> Outcome:
-        self._write_claim(
+        # Only reachable through a verified scrub and a signed attestation (see the module docstring). Published
+        # before any fence of the teardown goes.
+        written = self._write_claim(
             td,
             {
                 names.ANNOTATION_DEVICES: self._devices_annotation(td),
@@ -587,9 +638,19 @@ class TeardownEngine:
             },
             release=True,
         )
-        return State.DONE, {}  # done: the finalizer is removed where this write did not (a crash, a mismatch)
+        if not written:
+            self._keep_orphan_attestation(td)
+        if td.released_at is not None:
+            scrub_time = (td.scrub_finished_at or 0.0) - (td.scrub_started_at or 0.0)
+            self.metrics.teardown_overhead.observe(max(self.clock() - td.released_at - scrub_time, 0.0))
+        log.info("claim %s: %s verified clean", td.claim, ", ".join(d.key for d in td.devices))
+        return State.DONE, {"reason": None}  # the finalizer is removed there where this write did not
 
     def _on_done(self, td: Teardown) -> Outcome:
+        with self._fence_lock:
+            if td.fenced is not None:
+                self.fencer.lift(td, list(self.store.teardowns.values()))
+                log.info("claim %s: fences of %s lifted", td.claim, ", ".join(d.key for d in td.fence_targets()))
         self._remove_finalizer(td)
         self._forget(td)
         return None
@@ -606,7 +667,7 @@ class TeardownEngine:
                 if td.retry_at is not None
                 else f"waiting for an operator: fix the GPU, then `scrubgate agent rescrub --device {td.devices[0].uuid or td.devices[0].key}`"
             )
-            self._event(
+            self.record_event(
                 td,
                 "ScrubFailed",
                 f"teardown of {', '.join(d.key for d in td.devices)} on node {self.node} failed "
@@ -625,7 +686,7 @@ class TeardownEngine:
         """The claim went before its attestation could land on it (break-glass): the attestation goes into
         an Event on the Node instead, so that the scrub of its devices stays on record."""
         devices = ", ".join(f"{d.key} ({d.uuid})" for d in td.devices)
-        self._event(
+        self.record_event(
             td,
             "ScrubAttested",
             f"claim {td.claim} was deleted before its teardown ended (break-glass?); {devices} verified clean on "
@@ -656,17 +717,16 @@ class TeardownEngine:
             if claim is None:
                 claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
             if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
-                self._keep_orphan_attestation(td)
-                return
+                return  # gone after the attestation was published (on it, or in an Event on the node)
             annotations = (claim.get("metadata") or {}).get("annotations") or {}
             if annotations.get(names.ANNOTATION_ATTESTATION) != td.attestation:
                 self._write_claim(td, {names.ANNOTATION_ATTESTATION: td.attestation})
                 continue
             problem = self._attestation_problem(td, claim)
             if problem is not None:
-                # The devices are verified clean and unfenced; only the claim object stays. Say why.
+                # The devices are verified clean; only the claim object stays. Say why.
                 log.error("claim %s: keeping finalizer %s: %s", td.claim, names.FINALIZER, problem)
-                self._event(td, "AttestationMismatch", f"finalizer {names.FINALIZER} kept: {problem}")
+                self.record_event(td, "AttestationMismatch", f"finalizer {names.FINALIZER} kept: {problem}")
                 return
             ops = finalizer_removal_ops(claim, td.attestation)
             if ops is None:
@@ -675,11 +735,26 @@ class TeardownEngine:
                 self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
                 return
             except NotFound:
-                self._keep_orphan_attestation(td)
                 return
             except Conflict:
                 continue
         raise Conflict(f"claim {td.claim} kept changing while the agent removed its finalizer; will retry", 409)
+
+
+def _outlives_the_write(claim: dict[str, Any]) -> bool:
+    """Whether the claim stays after a write that removes our finalizer: it is not being deleted, or another
+    finalizer holds it (Kubernetes' delete-protection, until the deallocation). One that would vanish with the
+    write would take the attestation with it, unseen: its finalizer goes in a write of its own, after."""
+    meta = claim.get("metadata") or {}
+    return not meta.get("deletionTimestamp") or any(f != names.FINALIZER for f in meta.get("finalizers") or [])
+
+
+_FENCE_WHY = {
+    FenceReason.NOT_HELD: "its allocation does not keep them from other claims",
+    FenceReason.ALLOCATION_LOST: "its allocation is gone before their scrub was attested",
+    FenceReason.FAILED: "the teardown failed",
+    FenceReason.HAND_OVER: "the agent is stopping with the teardown owed",
+}
 
 
 def _merge_health(snapshots: list[HealthSnapshot]) -> dict[str, Any]:

@@ -19,7 +19,10 @@ from scrubgate.policies.attestation import (
     check_claim_attestation,
     claimed_devices,
     deleted_before_allocation,
+    public_key_pem,
 )
+from scrubgate.policies.config import parse_policy
+from scrubgate.policies.rules import deallocation_guard
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
@@ -87,6 +90,7 @@ class GpuNode:
     signer: Signer
     violations: Violations
     settings: TeardownSettings
+    counters: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # what each device consumes
 
     @property
     def root(self) -> Path:
@@ -132,9 +136,13 @@ class GpuNode:
             on_transition=on_transition,
         )
 
-    def tenant(self, name: str, devices: list[int], namespace: str = "team-a") -> tuple[dict, dict]:
-        """A claim allocated `devices` and a running pod using it; the tenant fills the memory with a canary."""
-        claim = self.cluster.add_claim(namespace, name, [self.key(i) for i in devices])
+    def tenant(
+        self, name: str, devices: list[int], namespace: str = "team-a", *, admin_access: bool = False
+    ) -> tuple[dict, dict]:
+        """A claim allocated `devices` and a running pod using it; the tenant fills the memory with a canary.
+        `admin_access`: allocated with admin access, beside which the scheduler may allocate the devices to other
+        claims (so the claim's allocation keeps them from nobody)."""
+        claim = self.cluster.add_claim(namespace, name, [self.key(i) for i in devices], admin_access=admin_access)
         pod = self.cluster.add_pod(namespace, f"{name}-pod", NODE, [name])
         for i in devices:
             simulated.fill(self.root, self.gpus[i].uuid, CANARY)
@@ -168,6 +176,20 @@ class GpuNode:
     def fenced(self, index: int) -> bool:
         return names.TAINT_UNSANITIZED in self.cluster.taints_on(*self.key(index))
 
+    def held(self, index: int) -> bool:
+        """Device `index` is allocated to a claim, or consumes a counter an allocated device consumes: no other
+        claim can get it."""
+        allocated = {key for claim in list(self.cluster.claims.values()) for key in _allocated(claim)}
+        taken = {
+            (self.counters[key[2]][0], i)
+            for key in allocated
+            if key[2] in self.counters
+            for i in self.counters[key[2]][1]
+        }
+        name = self.device_names[index]
+        mine = {(self.counters[name][0], i) for i in self.counters[name][1]} if name in self.counters else set()
+        return self.key(index) in allocated or bool(mine & taken)
+
     def overlapping(self, index: int) -> list[int]:
         """The devices sharing memory with device `index`: its parent GPU, or its MIG slices."""
         me = self.gpus[index]
@@ -178,8 +200,9 @@ class GpuNode:
         ]
 
     def guarded(self, index: int) -> bool:
-        """Device `index` is clean, or it and every device sharing its memory are fenced."""
-        return self.clean(index) or all(self.fenced(i) for i in [index, *self.overlapping(index)])
+        """Device `index` is clean, or it and every device sharing its memory are out of other claims' reach:
+        fenced, or allocated."""
+        return self.clean(index) or all(self.fenced(i) or self.held(i) for i in [index, *self.overlapping(index)])
 
     def settle(self, agent: Agent, *, rounds: int = 50) -> None:
         """Tick until nothing is left to do now (drain polls and backoffs pass on the fake clock)."""
@@ -192,6 +215,11 @@ class GpuNode:
                 return
             self.clock.advance(1.0)
         raise AssertionError(f"agent did not settle: {[(t.claim.name, t.state) for t in pending]}")
+
+
+def _allocated(claim: dict[str, Any]) -> set[tuple[str, str, str]]:
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    return {(r["driver"], r["pool"], r["device"]) for r in results}
 
 
 class Crash(BaseException):
@@ -263,7 +291,12 @@ def restart_and_finish(node: GpuNode, device: int = 0) -> None:
     assert node.violations.found == []
 
 
-def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple[str, ...] = ("v1",)) -> GpuNode:
+def make_node(
+    tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple[str, ...] = ("v1",), counters: bool = True
+) -> GpuNode:
+    """A node whose slice publishes its GPUs and their MIG slices; with `counters`, as NVIDIA's driver publishes
+    dynamic MIG (a GPU and its slices consume shared memory-slice counters, so an allocation of one takes the
+    others too), else with nothing but `parentUUID` to tell that they share memory."""
     devices = simulated.create_inventory(
         tmp / "sim", gpus=gpus, mig_per_gpu=mig_per_gpu, memory_bytes=MEMORY, mig_memory_bytes=MEMORY
     )
@@ -277,6 +310,9 @@ def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple
         violations=violations,
         settings=TeardownSettings(drain_timeout_s=5.0, max_attempts=2, retry_backoff_s=10.0),
     )
+    if counters:
+        node.counters = _memory_counters(node)
+    node.cluster.guard = sg007(node.signer)
     node.cluster.add_node(NODE)
     node.cluster.add_slice(
         NODE,
@@ -286,9 +322,36 @@ def make_node(tmp: Path, *, gpus: int = 2, mig_per_gpu: int = 0, versions: tuple
             name: {"uuid": g.uuid, **({"parentUUID": g.parent_uuid} if g.parent_uuid else {})}
             for name, g in zip(node.device_names, devices, strict=True)
         },
+        node.counters,
     )
     node.cluster.hook = _monitor(node)
     return node
+
+
+def _memory_counters(node: GpuNode) -> dict[str, tuple[str, list[int]]]:
+    """Each GPU with MIG slices consumes all of its memory slices; each slice, its own."""
+    found: dict[str, tuple[str, list[int]]] = {}
+    for name, gpu in zip(node.device_names, node.gpus, strict=True):
+        children = [i for i, g in enumerate(node.gpus) if g.parent_uuid == gpu.uuid]
+        if children:
+            found[name] = (f"{name}-counters", children)
+            for i in children:
+                found[node.device_names[i]] = (f"{name}-counters", [i])
+    return found
+
+
+CLAIM_CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+
+
+def sg007(signer: Signer) -> Callable[[dict[str, Any]], bool]:
+    """The webhook's verdict (the real rule) on the resourceclaim controller's deallocation of a stored claim."""
+    policy = parse_policy({"attestationKeys": [{"kid": signer.kid, "publicKey": public_key_pem(signer.key)}]})
+
+    def allowed(claim: dict[str, Any]) -> bool:
+        cleared = {**claim, "status": {}}
+        return not deallocation_guard(cleared, claim, CLAIM_CONTROLLER, ("system:serviceaccounts",), policy)[0]
+
+    return allowed
 
 
 def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:

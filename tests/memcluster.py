@@ -1,6 +1,8 @@
 """An in-memory ClusterClient: the API objects the agent touches, with the API's semantics where the agent
 relies on them (JSON patch with `test` ops, resourceVersion bumps, finalizers holding a deleted object,
-idempotent create/delete of DeviceTaintRules, discovery of the served DeviceTaintRule version).
+idempotent create/delete of DeviceTaintRules, discovery of the served DeviceTaintRule version), and the
+resourceclaim controller's deallocation as the webhook's SG007 lets it through (`guard`): refused until the
+claim may go, and retried at every change of the claim, as the controller requeues it.
 
 A test double for the agent's unit tests and its overhead benchmark (bench/agent_overhead.py); not shipped.
 `hook(operation, args)` runs before every call and may raise (an API error, or a simulated crash). The real
@@ -24,12 +26,19 @@ from scrubgate.policies import names
 from scrubgate.sanitizer_agent.kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
 
 Hook = Callable[[str, tuple[Any, ...]], None]
+# Whether the stored claim's allocation may be cleared now (SG007's verdict on the controller's status write).
+Guard = Callable[[dict[str, Any]], bool]
 
 
 class InMemoryCluster:
-    def __init__(self, *, taint_rule_versions: tuple[str, ...] = ("v1",), hook: Hook | None = None) -> None:
+    def __init__(
+        self, *, taint_rule_versions: tuple[str, ...] = ("v1",), hook: Hook | None = None, guard: Guard | None = None
+    ) -> None:
         self.served = taint_rule_versions
         self.hook = hook
+        self.guard = guard
+        self.refused_deallocations = 0
+        self._deallocating: set[tuple[str, str]] = set()  # claims the controller keeps trying to deallocate
         self.pods: dict[str, dict[str, Any]] = {}  # by UID
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: list[dict[str, Any]] = []
@@ -119,11 +128,20 @@ class InMemoryCluster:
                 raise NotFound(f"PATCH resourceclaim {namespace}/{name}: HTTP 404", 404)
             patched = self._patch(claim, ops, f"resourceclaim {namespace}/{name}")
             self._bump(patched)
-            if patched["metadata"].get("deletionTimestamp") and not patched["metadata"].get("finalizers"):
-                del self.claims[(namespace, name)]
-            else:
-                self.claims[(namespace, name)] = patched
+            self.claims[(namespace, name)] = patched
+            self._settle_claim(namespace, name)
             return copy.deepcopy(patched)
+
+    def _settle_claim(self, namespace: str, name: str) -> None:
+        """After a change of the claim: the controller's deallocation retried, and a deleted claim that holds
+        no finalizer any more goes."""
+        key = (namespace, name)
+        if key in self._deallocating:
+            self.deallocate(namespace, name)
+        claim = self.claims.get(key)
+        if claim is not None and claim["metadata"].get("deletionTimestamp") and not claim["metadata"].get("finalizers"):
+            del self.claims[key]
+            self._deallocating.discard(key)
 
     def list_node_slices(self, node: str) -> list[dict[str, Any]]:
         self._call("list_node_slices", node)
@@ -194,8 +212,20 @@ class InMemoryCluster:
             self.nodes[name] = node
             return node
 
-    def add_slice(self, node: str, driver: str, pool: str, devices: dict[str, dict[str, str]]) -> None:
-        """A ResourceSlice (v1 shape) with `devices` {name: {attribute: string value}}."""
+    def add_slice(
+        self,
+        node: str,
+        driver: str,
+        pool: str,
+        devices: dict[str, dict[str, str]],
+        counters: dict[str, tuple[str, list[int]]] | None = None,
+    ) -> None:
+        """A ResourceSlice (v1 shape) with `devices` {name: {attribute: string value}}; `counters` {name:
+        (counter set, memory slices)}: what each device consumes, as NVIDIA's driver publishes dynamic MIG."""
+        consumes = {
+            name: [{"counterSet": counter_set, "counters": {f"memory-slice-{i}": {"value": "1"} for i in slices}}]
+            for name, (counter_set, slices) in (counters or {}).items()
+        }
         with self._lock:
             self.slices.append(
                 {
@@ -207,7 +237,11 @@ class InMemoryCluster:
                         "nodeName": node,
                         "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
                         "devices": [
-                            {"name": n, "attributes": {k: {"string": v} for k, v in attrs.items()}}
+                            {
+                                "name": n,
+                                "attributes": {k: {"string": v} for k, v in attrs.items()},
+                                **({"consumesCounters": consumes[n]} if n in consumes else {}),
+                            }
                             for n, attrs in devices.items()
                         ],
                     },
@@ -222,8 +256,10 @@ class InMemoryCluster:
         *,
         finalizer: bool = True,
         annotations: dict[str, str] | None = None,
+        admin_access: bool = False,
     ) -> dict[str, Any]:
-        """An allocated ResourceClaim (as the scheduler leaves it), with the webhook's finalizer."""
+        """An allocated ResourceClaim (as the scheduler leaves it), with the webhook's finalizer unless not
+        `finalizer`."""
         with self._lock:
             claim: dict[str, Any] = {
                 "apiVersion": f"{names.RESOURCE_GROUP}/v1",
@@ -233,13 +269,26 @@ class InMemoryCluster:
                     "namespace": namespace,
                     "uid": str(uuidlib.uuid4()),
                     "creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "finalizers": [names.FINALIZER] if finalizer else [],
+                    # kube-scheduler adds delete-protection with the allocation; the controller removes it after.
+                    "finalizers": [
+                        *([names.FINALIZER] if finalizer else []),
+                        *([names.DELETE_PROTECTION_FINALIZER] if devices else []),
+                    ],
                 },
                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
                 "status": {
                     "allocation": {
                         "devices": {
-                            "results": [{"request": "gpu", "driver": d, "pool": p, "device": v} for d, p, v in devices]
+                            "results": [
+                                {
+                                    "request": "gpu",
+                                    "driver": d,
+                                    "pool": p,
+                                    "device": v,
+                                    **({"adminAccess": True} if admin_access else {}),
+                                }
+                                for d, p, v in devices
+                            ]
                         }
                     },
                     "reservedFor": [],
@@ -291,12 +340,25 @@ class InMemoryCluster:
             self._notify("DELETED", pod)
             return copy.deepcopy(pod)
 
-    def deallocate(self, namespace: str, name: str) -> None:
-        """What kube-controller-manager does once a claim is reserved for nobody: clear the allocation."""
+    def deallocate(self, namespace: str, name: str, *, bypass: bool = False) -> bool:
+        """What kube-controller-manager does once a claim is reserved for nobody: clear the allocation, where
+        the `guard` lets it (else it is retried at the claim's next change); `bypass`: the guard is not asked (a
+        webhook bypassed or uninstalled). Returns whether the allocation went."""
         with self._lock:
-            claim = self.claims[(namespace, name)]
+            key = (namespace, name)
+            claim = self.claims[key]
+            allocated = claim.get("status", {}).get("allocation")
+            if not bypass and self.guard is not None and allocated and not self.guard(copy.deepcopy(claim)):
+                self.refused_deallocations += 1
+                self._deallocating.add(key)
+                return False
+            self._deallocating.discard(key)
             claim["status"] = {}
+            finalizers = claim["metadata"].get("finalizers") or []
+            claim["metadata"]["finalizers"] = [f for f in finalizers if f != names.DELETE_PROTECTION_FINALIZER]
             self._bump(claim)
+            self._settle_claim(namespace, name)
+            return True
 
     def delete_claim(self, namespace: str, name: str) -> None:
         with self._lock:

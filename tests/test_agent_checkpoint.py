@@ -15,6 +15,7 @@ from scrubgate.sanitizer_agent.checkpoint import (
     CheckpointStore,
     ClaimRef,
     DeviceRecord,
+    FenceReason,
     State,
     Teardown,
 )
@@ -76,7 +77,7 @@ def test_torn_temp_file_never_corrupts_the_real_one(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"version": 3, "node": "n1", "teardowns": {}}', "version 3; this agent reads versions 1 and 2"),
+        ('{"version": 4, "node": "n1", "teardowns": {}}', "version 4; this agent reads versions 1 to 3"),
         ('{"node": "n1"}', "version None"),
         ("{not json", "is not JSON"),
         ('{"version": 1, "node": "n1", "teardowns": {"u": {"state": "sideways"}}}', "damaged"),
@@ -104,7 +105,7 @@ def test_agent_refuses_to_start_on_a_future_checkpoint_and_touches_nothing(tmp_p
     with pytest.raises(CheckpointError, match="version 99"):
         node.agent().start()
     assert node.cluster.calls[calls:] == [], "not a single API call"
-    assert node.fenced(0)
+    assert node.held(0) and node.canary_present(0), "the claim's allocation still keeps the dirty device"
 
 
 def test_write_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
@@ -133,7 +134,9 @@ def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
     data = json.loads(node.checkpoint.read_text())
     (teardown,) = data["teardowns"].values()
     data["version"], teardown["state"] = 1, "unfenced"
+    del teardown["fenced"], teardown["not_held"]  # not in version 1
     node.checkpoint.write_text(json.dumps(data))
+    fence_as_version_1_did(node, teardown)
     assert node.fenced(0) and node.clean(0)
 
     restarted = node.agent()
@@ -143,4 +146,40 @@ def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
     claim = node.cluster.claims[("team-a", "job")]
     assert names.ANNOTATION_ATTESTATION in claim["metadata"]["annotations"]
     assert names.FINALIZER not in claim["metadata"]["finalizers"]
-    assert json.loads(node.checkpoint.read_text())["version"] == 2
+    assert json.loads(node.checkpoint.read_text())["version"] == 3
+
+
+def fence_as_version_1_did(node, teardown: dict) -> None:
+    """The DeviceTaintRules versions 1 and 2 put up at first sight of an allocation."""
+    for device in teardown["devices"]:
+        selector = {"driver": device["driver"], "pool": device["pool"], "device": device["device"]}
+        rule = {"metadata": {"name": device["fence_rule"], "labels": {}, "annotations": {}}, "spec": {
+            "deviceSelector": selector, "taint": {"key": names.TAINT_UNSANITIZED, "effect": "NoSchedule"},
+        }}  # fmt: skip
+        node.cluster.create_device_taint_rule("v1", rule)
+
+
+def test_a_version_2_teardown_keeps_its_fences_until_its_scrub(tmp_path):
+    """Version 2 fenced every allocation from first sight; its fences stand, and go after the verified scrub,
+    not at the restart (which would hand a dirty device over if the claim's allocation is already gone)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    data = json.loads(node.checkpoint.read_text())
+    (teardown,) = data["teardowns"].values()
+    data["version"] = 2
+    del teardown["fenced"], teardown["not_held"]  # not in version 2
+    node.checkpoint.write_text(json.dumps(data))
+    fence_as_version_1_did(node, teardown)
+
+    restarted = node.agent()
+    restarted.start()
+    (td,) = restarted.store.teardowns.values()
+    assert td.fenced == FenceReason.HAND_OVER and node.fenced(0)
+    restarted.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(restarted)
+    assert node.clean(0) and not node.cluster.rules and restarted.store.teardowns == {}
+    assert ("team-a", "job") not in node.cluster.claims
+    assert node.violations.found == []

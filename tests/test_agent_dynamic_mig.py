@@ -100,7 +100,7 @@ def test_a_device_off_the_drivers_naming_or_layout_gets_no_placement():
     assert found[key("gpu-0-mig-1g10gb-19-3")].placement is None, "no guess: the scrub then fails closed"
 
 
-def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_with_its_overlaps_fenced(tmp_path):
+def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_its_overlaps_held_by_the_counters(tmp_path):
     node, gpu, slice_bytes = partitioned_node(tmp_path, dirty_slices=range(0, 1))
     agent, claim, pod = running_claim(node, ONE_G_AT_0)
     # The tenant wrote into memory slice 0 (the first eighth of the simulated GPU); slice 4 holds another's.
@@ -108,10 +108,10 @@ def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_with_its_
     simulated.write(node.root, gpu, 4 * slice_bytes, CANARY)
     agent.observe_pod("ADDED", pod)
 
-    fenced = {r["spec"]["deviceSelector"]["device"] for r in node.cluster.rules.values()}
-    assert fenced == {ONE_G_AT_0, TWO_G_AT_0, FULL}, "every device consuming memory slice 0, and nothing else"
     on_disk = json.loads(node.checkpoint.read_text())["teardowns"][claim["metadata"]["uid"]]
     assert on_disk["devices"][0]["placement"] == {"parent_uuid": gpu, "profile_id": 19, "start": 0, "size": 1}
+    assert {o["device"] for o in on_disk["overlaps"]} == {TWO_G_AT_0, FULL}, "every device consuming memory slice 0"
+    assert on_disk["not_held"] == [] and not node.cluster.rules, "all of them consume the allocation's counter"
 
     agent.observe_pod("MODIFIED", node.finish(pod))  # unprepare has deleted the MIG device by now
     node.settle(agent)
@@ -119,7 +119,7 @@ def test_released_dynamic_mig_device_is_scrubbed_through_its_placement_with_its_
     memory = simulated.read(node.root, gpu)
     assert memory[:slice_bytes].count(0) == slice_bytes, "memory slice 0 zeroed and verified"
     assert CANARY in memory[4 * slice_bytes : 5 * slice_bytes], "another placement's memory is not touched"
-    assert not node.cluster.rules, "all three fences lifted together, after the verified scrub"
+    assert node.cluster.calls.count("create_device_taint_rule") == 0
     assert agent.store.teardowns == {} and node.violations.found == []
 
 

@@ -142,7 +142,7 @@ def _args(argv: list[str]):
     return parser.parse_args(argv)
 
 
-def test_api_outage_mid_teardown_keeps_the_fence_and_resumes_after_backoff(tmp_path):
+def test_api_outage_mid_teardown_keeps_the_device_held_and_resumes_after_backoff(tmp_path):
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
@@ -153,14 +153,14 @@ def test_api_outage_mid_teardown_keeps_the_fence_and_resumes_after_backoff(tmp_p
 
     def hook(operation, args):
         monitor(operation, args)
-        if outage["on"] and operation in ("delete_device_taint_rule", "patch_claim"):
+        if outage["on"] and operation == "patch_claim":
             raise ClusterError(f"{operation}: HTTP 503: etcdserver: request timed out", 503)
 
     node.cluster.hook = hook
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
     td = agent.store.teardowns[claim["metadata"]["uid"]]
     assert td.state == State.ATTESTED, "scrubbed and signed; writing the attestation waits for the API"
-    assert node.fenced(0) and node.clean(0)
+    assert node.held(0) and node.clean(0)
     calls = len(node.cluster.calls)
     agent.tick()
     assert len(node.cluster.calls) == calls, "backing off: no call before the delay"

@@ -149,7 +149,7 @@ def test_fence_uses_the_newest_served_device_taint_rule_version(tmp_path, versio
     node = make_node(tmp_path, versions=(version,))
     agent = node.agent()
     agent.start()
-    claim, pod = node.tenant("job", [0])
+    claim, pod = node.tenant("job", [0], admin_access=True)  # its allocation does not keep the device
     agent.observe_pod("ADDED", pod)
     (rule,) = node.cluster.rules.values()
     assert rule["apiVersion"] == f"resource.k8s.io/{version}"
@@ -163,15 +163,22 @@ def test_fence_uses_the_newest_served_device_taint_rule_version(tmp_path, versio
 
 
 def test_without_device_taint_rules_the_node_taint_fences_the_teardown_and_says_so(tmp_path, caplog):
+    """Where a fence is needed (here: admin access) the node taint stands in for it, during the teardown only:
+    it keeps the whole node from other claims. A claim whose allocation holds its device needs none."""
     node = make_node(tmp_path, versions=())
     agent = node.agent()
     agent.start()
     assert "WEAK FENCE" in caplog.text
     assert agent.metrics.registry.get_sample_value("scrubgate_agent_weak_fence") == 1
-    _, pod = node.tenant("job", [0])
+    _, held = node.tenant("held", [1])
+    agent.observe_pod("ADDED", held)
+    agent.observe_pod("MODIFIED", node.finish(held, controller=False))
+    assert node.clean(1) and agent.metrics.registry.get_sample_value("scrubgate_agent_node_taint_fences_total") == 0
+
+    _, pod = node.tenant("job", [0], admin_access=True)
     agent.observe_pod("ADDED", pod)
-    assert node.cluster.node_taints(NODE) == [], "nothing fences an allocated device in weak mode"
-    assert names.ANNOTATION_SCRUB_STATUS not in claim_annotations(node, "job"), "and the status does not pretend"
+    assert node.cluster.node_taints(NODE) == [], "not while the device is allocated: it would keep the whole node"
+    assert claim_annotations(node, "job")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
 
     seen: list[list[str]] = []
     backend = node.backend()
@@ -249,11 +256,17 @@ def test_real_client_whole_teardown_against_the_api_server(tmp_path):
         runner.start()
         try:
             rules = f"/apis/resource.k8s.io/{cluster.device_taint_rule_version()}/devicetaintrules"
-            eventually(lambda: cluster._call("GET", rules)["items"], "the fence")
+            eventually(
+                lambda: (
+                    names.ANNOTATION_DEVICES in cluster.get_claim("team-a", "train")["metadata"].get("annotations", {})
+                ),
+                "the record of the allocation",
+            )
             simulated.fill(node.root, node.gpus[0].uuid, CANARY)
             eventually(lambda: agent.healthy()[0], "the first tick")
             with urllib.request.urlopen(f"http://127.0.0.1:{http.server_address[1]}/healthz") as reply:
-                assert reply.status == 200 and reply.read().startswith(b"ok: 1 teardown(s), 1 device(s) fenced")
+                assert reply.status == 200 and reply.read().startswith(b"ok: 1 teardown(s), 0 device(s) fenced")
+            assert cluster._call("GET", rules)["items"] == [], "the claim's allocation keeps the device"
 
             core.patch_namespaced_pod_status("train-0", "team-a", {"status": {"phase": "Succeeded"}})
             done = eventually(finalizer_removed(cluster), "the finalizer's removal")

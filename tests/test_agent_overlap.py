@@ -1,7 +1,9 @@
-"""A GPU and its MIG slices share memory. With partitionable devices (dynamic MIG) the scheduler may hand
-out the parent GPU once a slice's claim is released, or a slice once its GPU's claim is: so a teardown
-fences the devices that share memory with its own, and lifts those fences only with its own, after a
-verified scrub."""
+"""A GPU and its MIG slices share memory. Where they consume shared counters (NVIDIA's dynamic MIG), the
+allocation of one keeps the others from every other claim until it goes, which SG007 holds until the
+attestation: no fence. Where a slice publishes nothing but its `parentUUID`, the scheduler may hand out the
+parent GPU while a slice is allocated, or a slice while its GPU is: so the teardown fences the devices that
+share memory with its own from first sight, and lifts those fences only with its own, after a verified scrub.
+Most tests here take that second layout (`make_node(counters=False)`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,28 @@ def _release(node, agent, pod):
     agent.observe_pod("MODIFIED", node.finish(pod))
 
 
+@pytest.mark.parametrize("held", [SLICE, GPU], ids=["mig-slice", "full-gpu"])
+def test_with_shared_counters_the_allocation_keeps_the_overlapping_devices_and_nothing_is_fenced(tmp_path, held):
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("train", [held])
+    agent.observe_pod("ADDED", pod)
+    assert agent.store.teardowns[claim["metadata"]["uid"]].not_held == []
+    # Hold the teardown in draining: the claim is released and its memory dirty.
+    simulated.attach(node.root, node.gpus[held].uuid, pid=4_000_002)
+    simulated.inject_fault(node.root, node.gpus[held].uuid, "linger")
+    _release(node, agent, pod)
+    assert node.canary_present(held) and all(node.held(i) for i in [held, *node.overlapping(held)])
+    assert not node.cluster.rules
+    simulated.clear_faults(node.root)
+    simulated.detach(node.root, node.gpus[held].uuid, pid=4_000_002)
+    node.settle(agent)
+    assert node.clean(held) and ("team-a", "train") not in node.cluster.claims, "deallocated after the attestation"
+    assert node.cluster.calls.count("create_device_taint_rule") == 0
+    assert node.violations.found == []
+
+
 def test_overlapping_devices_are_found_through_uuid_and_parent_uuid():
     slices = {
         ("d", "p", "gpu-0"): claims.SliceDevice("GPU-0", None),
@@ -47,7 +71,7 @@ def test_overlapping_devices_are_found_through_uuid_and_parent_uuid():
 
 
 def test_mig_slice_teardown_fences_the_parent_gpu_until_the_verified_scrub(tmp_path):
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2, counters=False)
     agent = node.agent()
     agent.start()
     claim, pod = node.tenant("train", [SLICE])
@@ -82,7 +106,7 @@ def test_mig_slice_teardown_fences_the_parent_gpu_until_the_verified_scrub(tmp_p
 
 
 def test_full_gpu_teardown_fences_its_mig_slices(tmp_path):
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2, counters=False)
     agent = node.agent()
     agent.start()
     _, pod = node.tenant("train", [GPU])
@@ -99,8 +123,7 @@ def test_full_gpu_teardown_fences_its_mig_slices(tmp_path):
 
     backend.scrub = scrub
     agent.backend = agent.engine.backend = backend
-    node.cluster.deallocate("team-a", "train")
-    agent.resync()
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
     node.settle(agent)
     assert seen == [True], "the slices stayed fenced while the GPU was scrubbed"
     assert node.clean(GPU) and not node.cluster.rules
@@ -113,7 +136,7 @@ def test_full_gpu_teardown_fences_its_mig_slices(tmp_path):
 
 @pytest.mark.parametrize("held", [SLICE, GPU], ids=["mig-slice", "full-gpu"])
 def test_failed_scrub_keeps_the_overlapping_devices_fenced(tmp_path, held):
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2, counters=False)
     agent = node.agent()
     agent.start()
     claim, pod = node.tenant("train", [held])
@@ -138,7 +161,7 @@ def test_failed_scrub_keeps_the_overlapping_devices_fenced(tmp_path, held):
 
 
 def test_gpu_two_slices_overlap_stays_fenced_until_both_are_torn_down(tmp_path):
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=2)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=2, counters=False)
     agent = node.agent()
     agent.start()
     _, pod_a = node.tenant("a", [SLICE])
@@ -159,21 +182,23 @@ def test_gpu_two_slices_overlap_stays_fenced_until_both_are_torn_down(tmp_path):
 
 
 STATES = [State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.VERIFIED, State.ATTESTED,
-          State.UNFENCED, State.DONE]  # fmt: skip
+          State.DONE]  # fmt: skip
 
 
 @pytest.mark.parametrize("state", STATES, ids=[s.value for s in STATES])
 def test_crash_after_each_transition_keeps_slice_and_parent_fenced(tmp_path, state):
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=1)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=1, counters=False)
     assert run_crashing(node, CrashPlan(at_state=state), device=SLICE), f"never reached {state.value}"
     restart_and_finish(node, device=SLICE)
 
 
 def test_crash_before_and_after_every_call_keeps_slice_and_parent_fenced(tmp_path):
     clean_run = CrashPlan()
-    assert not run_crashing(make_node(tmp_path / "clean", gpus=1, mig_per_gpu=1), clean_run, device=SLICE)
+    assert not run_crashing(
+        make_node(tmp_path / "clean", gpus=1, mig_per_gpu=1, counters=False), clean_run, device=SLICE
+    )
     for event in range(1, clean_run.events + 1):
-        node = make_node(tmp_path / str(event), gpus=1, mig_per_gpu=1)
+        node = make_node(tmp_path / str(event), gpus=1, mig_per_gpu=1, counters=False)
         plan = CrashPlan(at_event=event)
         assert run_crashing(node, plan, device=SLICE)
         try:
@@ -185,7 +210,7 @@ def test_crash_before_and_after_every_call_keeps_slice_and_parent_fenced(tmp_pat
 def test_restart_fences_what_a_checkpoint_without_overlaps_missed(tmp_path):
     """A teardown recorded before the slices said what shares its memory (or by an agent that did not
     look): the restarted agent fences the parent before anything else, and lifts it with the slice's."""
-    node = make_node(tmp_path, gpus=1, mig_per_gpu=1)
+    node = make_node(tmp_path, gpus=1, mig_per_gpu=1, counters=False)
     _, pod = node.tenant("train", [SLICE])
     first = node.agent()
     first.start()

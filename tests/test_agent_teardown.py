@@ -1,4 +1,5 @@
-"""The node agent's happy paths on the simulated backend: fence on sight, tear down on release."""
+"""The node agent's happy paths on the simulated backend: recorded on sight, kept from other claims by their own
+allocations, torn down on release."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
     simulated.fill(node.root, node.gpus[bystander].uuid, CANARY)  # another tenant's live data
 
     agent.observe_pod("ADDED", pod)
-    assert node.fenced(target), "fenced on first sight of the allocation"
+    assert not node.cluster.rules, "no fence: the claim's allocation keeps the device, and with MIG its GPU"
+    assert node.guarded(target)
     annotations = claim_annotations(node, "train")
     assert annotations[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
     assert recorded(node, "train") == [
@@ -51,7 +53,9 @@ def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
     assert node.violations.found == []
 
 
-@pytest.mark.parametrize("release", ["pod-succeeded", "pod-deleted", "deallocated", "claim-deleted"])
+@pytest.mark.parametrize(
+    "release", ["pod-succeeded", "pod-deleted", "deallocated-bypassing-the-guard", "claim-deleted"]
+)
 def test_each_kind_of_release_starts_the_teardown(tmp_path, release):
     node = make_node(tmp_path)
     agent = node.agent()
@@ -63,20 +67,28 @@ def test_each_kind_of_release_starts_the_teardown(tmp_path, release):
         agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(uid, "Succeeded"))
     elif release == "pod-deleted":
         agent.observe_pod("DELETED", node.cluster.delete_pod(uid))
-    elif release == "deallocated":
-        node.cluster.deallocate("team-a", "job")
+    elif release == "deallocated-bypassing-the-guard":
+        assert node.cluster.deallocate("team-a", "job", bypass=True)
         agent.resync()
+        # Fenced as soon as the agent saw the allocation gone (then scrubbed: the agent runs every step here).
+        assert node.cluster.calls.count("create_device_taint_rule") == 1
+        (event,) = [e for e in node.cluster.events if e["reason"] == "UnattestedDeallocation"]
+        assert "lost its allocation before the scrub of gpu.nvidia.com/gpu-node-1/gpu-0" in event["message"]
+        assert agent.metrics.unattested_deallocations._value.get() == 1
     else:
         # Deleted, and no longer reserved: the pod went without the agent seeing it (deletion alone releases
-        # nothing while a reserved pod runs: test_agent_release.py).
+        # nothing while a reserved pod runs: test_agent_release.py). The controller's deallocation waits.
         node.cluster.delete_claim("team-a", "job")
         node.cluster.pods.pop(uid)
         node.cluster.claims[("team-a", "job")]["status"]["reservedFor"] = []
+        assert not node.cluster.deallocate("team-a", "job")
         agent.resync()
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules
     if release == "claim-deleted":
-        assert ("team-a", "job") not in node.cluster.claims, "the finalizer held it until the attestation"
+        assert ("team-a", "job") not in node.cluster.claims, "held, then deallocated and deleted after the attestation"
+    if release != "deallocated-bypassing-the-guard":
+        assert not [e for e in node.cluster.events if e["reason"] == "UnattestedDeallocation"]
     assert node.violations.found == []
 
 
@@ -90,7 +102,7 @@ def test_claim_still_reserved_by_a_running_pod_is_not_released(tmp_path):
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
     agent.resync()
     assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED
-    assert node.fenced(0) and node.canary_present(0)
+    assert node.held(0) and not node.cluster.rules and node.canary_present(0)
     agent.observe_pod("DELETED", node.cluster.delete_pod(other["metadata"]["uid"]))
     assert node.clean(0) and not node.cluster.rules
 
@@ -104,11 +116,11 @@ def test_device_shared_by_two_claims_waits_for_both(tmp_path):
     pod_b = node.cluster.add_pod("team-a", "b-pod", NODE, ["b"])
     agent.observe_pod("ADDED", pod_a)
     agent.observe_pod("ADDED", pod_b)
-    assert len(node.cluster.rules) == 2, "one fence per claim and device"
+    assert len(agent.store.teardowns) == 2 and not node.cluster.rules
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod_a["metadata"]["uid"], "Succeeded"))
     node.settle(agent)
     assert agent.store.teardowns[first["metadata"]["uid"]].state == State.RELEASED, "not drained under claim b"
-    assert node.canary_present(0) and node.fenced(0)
+    assert node.canary_present(0) and node.held(0)
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod_b["metadata"]["uid"], "Succeeded"))
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules and agent.store.teardowns == {}
@@ -125,7 +137,7 @@ def test_drain_waits_for_processes_to_exit(tmp_path):
     simulated.inject_fault(node.root, node.gpus[0].uuid, "linger")
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
     td = agent.store.teardowns[claim["metadata"]["uid"]]
-    assert td.state == State.DRAINING and node.fenced(0) and node.canary_present(0)
+    assert td.state == State.DRAINING and node.held(0) and node.canary_present(0)
     assert claim_annotations(node, "job")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_DRAINING
     simulated.clear_faults(node.root)
     simulated.detach(node.root, node.gpus[0].uuid, pid=4_000_000)

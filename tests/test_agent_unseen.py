@@ -54,9 +54,9 @@ def test_a_claim_found_on_the_claim_resync_is_torn_down(tmp_path):
     assert node.violations.found == []
 
 
-def test_a_claim_whose_pod_still_runs_is_fenced_and_kept(tmp_path):
+def test_a_claim_whose_pod_still_runs_is_tracked_and_kept(tmp_path):
     """Listed before its pod reached the agent (bound since its last list of pods): the API says the pod
-    runs, so the claim is fenced and not released."""
+    runs, so the claim is tracked and not released."""
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
@@ -64,7 +64,7 @@ def test_a_claim_whose_pod_still_runs_is_fenced_and_kept(tmp_path):
     agent.resync()
     td = agent.store.teardowns[claim["metadata"]["uid"]]
     assert td.state == State.ALLOCATED
-    assert node.fenced(0) and node.canary_present(0)
+    assert node.held(0) and node.canary_present(0)
 
 
 def test_a_pod_replaced_under_the_same_name_counts_as_ended(tmp_path):
@@ -107,7 +107,7 @@ def test_a_released_claim_awaiting_deallocation_is_not_torn_down_twice(tmp_path)
 
     again = node.cluster.add_pod("team-a", "job-again", NODE, ["job"])
     agent.observe_pod("ADDED", again)
-    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED and node.fenced(0)
+    assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED and node.held(0)
 
 
 def test_after_a_restart_an_attested_claim_still_allocated_is_scrubbed_again(tmp_path):
@@ -137,7 +137,7 @@ def test_a_pod_missing_from_a_new_list_is_asked_for(tmp_path):
     agent.start()
     _, pod = node.tenant("job", [0])
     agent.observe_pod("ADDED", pod)
-    assert node.fenced(0)
+    assert pod["metadata"]["uid"] in agent._live_pods
     node.cluster.delete_pod(pod["metadata"]["uid"])  # the DELETED event is lost
     agent.resync()
     node.settle(agent)
@@ -152,6 +152,7 @@ def test_a_claim_deleted_before_it_held_a_device_loses_the_finalizer(tmp_path):
     node.cluster.add_claim("team-a", "held", [node.key(0)])
     node.cluster.delete_claim("team-a", "never")
     node.cluster.delete_claim("team-a", "held")
+    assert not node.cluster.deallocate("team-a", "held"), "refused until the attestation; retried then"
     agent = node.agent()
     agent.start()
     assert ("team-a", "never") not in node.cluster.claims, "its finalizer was the last: it is gone"
@@ -203,10 +204,10 @@ def test_a_list_older_than_a_running_pod_does_not_release_its_claim(tmp_path):
     agent._handle(("LIST", []))  # a list taken before the pod was bound
     assert "get_pod" in node.cluster.calls
     assert agent.store.teardowns[claim["metadata"]["uid"]].state == State.ALLOCATED
-    assert node.fenced(0) and node.canary_present(0)
+    assert node.held(0) and node.canary_present(0)
 
 
-@pytest.mark.parametrize("crash_at", [State.ATTESTED, State.UNFENCED, State.DONE])
+@pytest.mark.parametrize("crash_at", [State.VERIFIED, State.ATTESTED, State.DONE])
 def test_a_restart_after_the_scrub_then_a_new_use_gets_its_own_teardown(tmp_path, crash_at):
     """Killed after the first use's verified scrub, before removing the finalizer; the claim was then used by
     another pod: at start the old attestation does not cover that pod, so the claim is torn down again."""
@@ -237,7 +238,7 @@ def _crash_at(state: State, crash_at: State) -> None:
         raise Crash(f"killed in {state.value}, before the finalizer's removal")
 
 
-@pytest.mark.parametrize("crash_at", [State.UNFENCED, State.DONE])
+@pytest.mark.parametrize("crash_at", [State.ATTESTED, State.DONE])
 def test_a_restart_after_the_scrub_finishes_it_and_starts_nothing_new(tmp_path, crash_at):
     """The same restart with no later use: the teardown ends (finalizer removed) and the claim, still
     allocated until the controller deallocates it, is not fenced and scrubbed a second time."""

@@ -2,12 +2,13 @@
 processes; devcluster.harness): kill -9 of the agent at each teardown step, an API outage mid-teardown, an unreachable
 webhook, every simulated GPU fault, a rotated serving certificate. After each: no device allocated to a new
 claim while dirty, no finalizer removed without a valid attestation, the audit chain intact and every
-denial the webhook made in it.
+denial the webhook made in it. Until its attestation, a released claim's own allocation keeps its device from
+the next tenant; the agent fences (DeviceTaintRules) only a failed teardown's devices.
 
 The agent is held at a teardown step by something it waits on, never by timing: a process that does not
 leave the GPU (draining), an admission webhook that hangs (its scrubbing announcement), one that cannot be
-reached (its attestation write), a policy that does not trust its key yet (the finalizer removal after the
-fences are lifted). The checkpoint then says where it is, and kill -9 lands exactly there.
+reached (its attestation write), a policy that does not trust its key yet (the finalizer removal once the
+attestation is written). The checkpoint then says where it is, and kill -9 lands exactly there.
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ class Held:
 
 
 def hold_gpu(cluster: Cluster, namespace: str, pod: str, template: str, canary: str = CANARY) -> Held:
-    """Alice's pod on a GPU of ``template``, its canary in device memory, fenced by the agent."""
+    """Alice's pod on a GPU of ``template``, its canary in device memory, recorded by the agent."""
     tenant_pod(cluster, "alice", namespace, pod, template=template, canary=canary)
     return held_gpu(cluster, namespace, pod, canary)
 
 
 def held_gpu(cluster: Cluster, namespace: str, pod: str, canary: str = CANARY) -> Held:
-    """What ``pod`` (created with ``canary``) holds, once it runs and the agent has fenced its device."""
+    """What ``pod`` (created with ``canary``) holds, once it runs and the agent has recorded its device."""
     claim = running_claim(cluster, namespace, pod)
     device = allocated_device(claim)[2]
     uuid = cluster.device_uuid(device)
@@ -109,7 +110,7 @@ def scrub_status(cluster: Cluster, held: Held) -> str | None:
 
 
 def wait_fenced(cluster: Cluster, held: Held) -> None:
-    """Until the agent has announced the claim's allocation fenced."""
+    """Until the agent has recorded the claim's allocation (`scrub-status: fenced`: kept from other claims)."""
     wait_for(lambda: scrub_status(cluster, held) == names.SCRUB_FENCED, WAIT_S, f"claim {held.claim} fenced")
 
 
@@ -216,11 +217,16 @@ def next_tenants_find_nothing(cluster: Cluster, namespace: str, devices: dict[st
 
 
 def released_clean(cluster: Cluster, held: Held) -> None:
-    """The held claim is gone with a verified attestation for its device, its fences lifted, no canary left."""
+    """The held claim is gone with a verified attestation for its device, its fences lifted (right after the
+    attestation), no canary left."""
     wait_gone(cluster, held.namespace, held.claim)
     payload = verified_attestation(cluster, held.uid)
     assert [(d["device"], d["verified"]) for d in payload["devices"]] == [(held.device, True)]
-    assert not fences(cluster, held) and not fences(cluster, held, names.TAINT_SCRUB_FAILED)
+    wait_for(
+        lambda: not fences(cluster, held) and not fences(cluster, held, names.TAINT_SCRUB_FAILED),
+        WAIT_S,
+        f"the fences of claim {held.claim} lifted",
+    )
     assert held.canary.encode() not in cluster.gpu_memory(held.uuid)
 
 
@@ -321,17 +327,16 @@ def cluster(
 class Step:
     state: State  # where the checkpoint has the teardown when the agent dies
     dirty: bool  # the tenant's canary still in device memory then
-    fenced: bool  # the device's unsanitized fence still standing then
 
 
 STEPS = {
-    "fenced": Step(State.ALLOCATED, dirty=True, fenced=True),
-    "draining": Step(State.DRAINING, dirty=True, fenced=True),
-    "scrubbing": Step(State.SCRUBBING, dirty=True, fenced=True),
-    # `verified` only signs (no side effect) on the way to `attested`, where the attestation is written.
-    "attested": Step(State.ATTESTED, dirty=False, fenced=True),
-    # Fences lifted; the finalizer removal is what is left (`done`).
-    "unfenced": Step(State.DONE, dirty=False, fenced=False),
+    "fenced": Step(State.ALLOCATED, dirty=True),
+    "draining": Step(State.DRAINING, dirty=True),
+    "scrubbing": Step(State.SCRUBBING, dirty=True),
+    # `verified` signs; `attested` writes the attestation (and removes the finalizer where it holds).
+    "attested": Step(State.ATTESTED, dirty=False),
+    # The attestation written, the finalizer's removal refused: `done` removes it.
+    "done": Step(State.DONE, dirty=False),
 }
 
 
@@ -339,7 +344,7 @@ def hold_agent_at(cluster: Cluster, held: Held, step: str) -> None:
     """Releases the claim and keeps the agent at ``step`` of its teardown (see the module docstring)."""
     if step == "fenced":
         return  # the pod still holds the claim: the agent waits for the release
-    if step == "unfenced":
+    if step == "done":
         set_policy(cluster, {**cluster.policy(), "attestationKeys": []})  # the agent's removal is refused
     cluster.inject_fault(held.uuid, "linger")  # a process that never leaves the GPU: the drain waits
     cluster.core("alice").delete_namespaced_pod(held.pod, held.namespace)
@@ -364,15 +369,15 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
 
     hold_agent_at(cluster, held, step)
     wait_teardown(cluster, held, expected.state)
-    if step == "unfenced":
+    if step == "done":
         what = f"the webhook's denial of the agent's finalizer removal on {held.claim}"
         wait_for(lambda: cluster.audit_denials("SG007", name=held.claim, user=AGENT_USER), WAIT_S, what)
     assert cluster.agent.kill() == -9
     undo_holds(cluster, shared_policy)
 
-    # At the crash: a device that may hold the tenant's data is fenced; an unfenced one is clean.
+    # At the crash: the claim's allocation keeps its device, dirty or not, from every other claim; no fence.
     assert (CANARY.encode() in cluster.gpu_memory(held.uuid)) == expected.dirty
-    assert bool(fences(cluster, held)) == expected.fenced
+    assert not deallocated(cluster, held) and not fences(cluster, held)
     if cluster.pod(ns_a, "a") is not None:
         cluster.core("alice").delete_namespaced_pod("a", ns_a)  # released while the agent is down
     expect_strip_denied(cluster, held)
@@ -381,9 +386,9 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
     what = f"claim {held.claim} deallocated, or its deallocation refused"
     wait_for(lambda: deallocated(cluster, held) or deallocation_refused(cluster, held), WAIT_S, what)
     assert attested_on_claim(cluster, held) or not deallocated(cluster, held), "deallocated with no attestation"
-    # The next tenant asks for exactly that device while the agent is down: not while it is fenced.
+    # The next tenant asks for exactly that device while the agent is down: not while it is unattested.
     next_tenant(cluster, ns_b, "next", held.uuid)
-    if expected.fenced:
+    if not attested_on_claim(cluster, held):
         wait_unschedulable(cluster, ns_b, "next")
 
     cluster.agent.start()
@@ -487,7 +492,8 @@ def test_api_outage_mid_teardown(cluster: Cluster, crash: bool) -> None:
 
     cluster.stop_api(crash=crash)
     cluster.clear_faults(held.uuid)
-    # Without the API the agent scrubs and signs, then cannot write the attestation: it waits, fenced.
+    # Without the API the agent scrubs and signs, then cannot write the attestation: it waits, the claim's
+    # allocation keeping the (clean) device.
     wait_teardown(cluster, held, State.ATTESTED)
     assert CANARY.encode() not in cluster.gpu_memory(held.uuid)
     assert cluster.agent.running and cluster.agent_healthz()[0] == 200

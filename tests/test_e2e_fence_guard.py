@@ -1,7 +1,9 @@
 """The fence guard end to end (real control plane, real webhook, real agent; devcluster.harness): a user who is
 neither the agent nor an admin, but whom RBAC lets delete DeviceTaintRules, cannot lift the agent's fence
 on a GPU that a claim holds. The API server calls the fence webhook for the cluster-scoped rule and it
-refuses, under SG007, with one audit record; the agent itself still lifts the fence after its scrub.
+refuses, under SG007, with one audit record; the agent itself still lifts the fence after its scrub. The GPU
+is taken with admin access (in a single-tenant namespace an admin opened to it), beside which other claims may
+be allocated it: its claim's allocation keeps it from nobody, so the agent fences it from first sight.
 
 In a module of its own: test_e2e_attacks.py accounts for every audit record its shared cluster holds."""
 
@@ -77,8 +79,8 @@ def grant_taint_rule_deletion(cluster: Cluster, user: str) -> None:
 
 def test_a_user_cannot_lift_the_agents_fence_but_the_agent_does(cluster: Cluster) -> None:
     grant_taint_rule_deletion(cluster, "bob")
-    ns = tenant_namespace(cluster, "fence")
-    create_template(cluster, "alice", ns, "one-gpu")
+    ns = tenant_namespace(cluster, "fence", trusted=True, labels={"resource.kubernetes.io/admin-access": "true"})
+    create_template(cluster, "alice", ns, "one-gpu", admin_access=True)
     tenant_pod(cluster, "alice", ns, "trainer", template="one-gpu", canary="FENCE-SECRET-4411")
     claim = running_claim(cluster, ns, "trainer")
     uid = claim["metadata"]["uid"]

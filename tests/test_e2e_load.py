@@ -1,7 +1,8 @@
 """The whole lifecycle under load: 200 claims (MIG slices and whole GPUs) on 8 simulated GPUs x 7 MIG slices,
 through the real webhook and the real agent on the real control plane (devcluster.load's workload, shared with
-bench/lifecycle.py, which reports the figures). Every claim must end fenced, scrubbed, attested, unfenced
-and released; the observer must see no dirty allocation and no unattested finalizer removal; no tenant may
+bench/lifecycle.py, which reports the figures). Every claim must end recorded, scrubbed, attested and released,
+kept from other claims by its own allocation until then, with no DeviceTaintRule made for any of them; the
+observer must see no dirty allocation and no unattested finalizer removal; no tenant may
 find an earlier tenant's canary; and a tenant stripping finalizers meanwhile is denied every time, with
 every denial in an audit log whose chain verifies. The wait is bounded; no time is asserted."""
 
@@ -113,7 +114,9 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     # (urllib3 warns of each; a later call would pay for a new TLS handshake).
     assert "Connection pool is full" not in cluster.agent.log_path.read_text()
 
-    # Nothing is left behind: no fence of the run, and the agent has no teardown left.
+    # No fence was needed: each claim's allocation held its devices until its attestation. Nothing is left
+    # behind: no fence of the run, and the agent has no teardown left.
+    assert not [c for c in result.claims if c.fenced_at is not None], result.table()
     assert not result.leftover_fences
     status, detail = cluster.agent_healthz()
     assert status == 200 and detail.startswith("ok: 0 teardown(s)"), detail

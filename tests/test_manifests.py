@@ -375,13 +375,15 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
 
 
 def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
-    """A claim's own UPDATE reaches the webhook only when it changes annotations or the sanitize finalizer."""
+    """A claim's own UPDATE reaches the webhook only when it changes annotations or the sanitize finalizer, or
+    removes delete-protection while the claim is allocated."""
 
-    def claim(finalizers: list[str], **annotations: str) -> Doc:
+    def claim(finalizers: list[str], allocated: bool = False, **annotations: str) -> Doc:
         meta: Doc = {"name": "c", "finalizers": finalizers}
         if annotations:
             meta["annotations"] = annotations
-        return {"metadata": meta, "spec": CLAIM["spec"]}
+        status = {"allocation": {"devices": {"results": [{"request": "gpu", "device": "gpu-0"}]}}}
+        return {"metadata": meta, "spec": CLAIM["spec"], **({"status": status} if allocated else {})}
 
     ours = [names.FINALIZER]
     protected = [names.FINALIZER, names.DELETE_PROTECTION_FINALIZER]
@@ -389,6 +391,18 @@ def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
     updates = [
         ("kube-scheduler adding delete-protection in PreBind", claim(ours), claim(protected), False),
         ("the controller removing delete-protection", claim(protected), claim(ours), False),
+        (
+            "delete-protection removed from an allocated claim",
+            claim(protected, allocated=True),
+            claim(ours, allocated=True),
+            True,
+        ),
+        (
+            "delete-protection added to an allocated claim",
+            claim(ours, allocated=True),
+            claim(protected, allocated=True),
+            False,
+        ),
         (
             "a label only",
             claim(ours),

@@ -25,6 +25,7 @@ UID = "uid-1"  # the claim UID test_attestation's payload attests by default
 OTHER_DEVICE = {**DEVICE, "device": "gpu-1", "uuid": "GPU-5678"}
 SCHEDULER = "system:kube-scheduler"
 PATH = "/status/allocation"
+FPGA = {"driver": "fpga.example.com", "pool": "node-a", "device": "fpga-0"}
 
 
 def allocated(
@@ -180,10 +181,22 @@ def test_a_status_write_cannot_bring_its_own_attestation():
 
 # -- exemptions -------------------------------------------------------------------------------------------
 
+CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+PROTECTED = (names.FINALIZER, names.DELETE_PROTECTION_FINALIZER)
+
+
+def scheduled(**kwargs: Any) -> dict[str, Any]:
+    """A claim as the scheduler leaves it when the pod it allocated the claim for could not be bound: allocated,
+    `resource.kubernetes.io/delete-protection` added with the allocation, no node agent's record of it."""
+    return allocated(recorded=False, finalizers=PROTECTED, **kwargs)
+
 
 def test_the_scheduler_undoes_its_own_allocation_without_attestation():
-    old = allocated()
+    old = scheduled()
     assert status_update(old, deallocated(old), SCHEDULER, groups=("system:authenticated",)) == []
+    pending = scheduled()
+    pending["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": "pod-a"}]
+    assert status_update(pending, deallocated(pending), SCHEDULER) == []
 
 
 @pytest.mark.parametrize(
@@ -196,52 +209,120 @@ def test_the_scheduler_undoes_its_own_allocation_without_attestation():
 )
 def test_the_scheduler_may_not_clear_a_claim_in_use_by_more_than_its_pending_pod(reserved):
     """PostFilter clears only a claim reserved for nobody or for the one pod being scheduled."""
-    old = allocated()
+    old = scheduled()
     old["status"]["reservedFor"] = reserved
     assert_denied(status_update(old, deallocated(old), SCHEDULER), f"user {SCHEDULER!r}")
-    pending = allocated()
-    pending["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": "pod-a"}]
-    assert status_update(pending, deallocated(pending), SCHEDULER) == []
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        lambda: allocated(finalizers=PROTECTED),  # the agent saw it on its node: it was used
+        lambda: allocated(recorded=False),  # delete-protection removed: its reservation may have gone with it
+    ],
+    ids=["recorded-by-the-agent", "without-delete-protection"],
+)
+def test_the_scheduler_may_not_clear_a_claim_that_was_used(claim):
+    """The hole found on the real control plane: with delete-protection removed, the resourceclaim controller
+    drops the reservation of a used claim and keeps its allocation; reserved for nobody, it looked like the
+    scheduler's own, and PostFilter cleared it unattested."""
+    old = claim()
+    assert_denied(status_update(old, deallocated(old), SCHEDULER), f"user {SCHEDULER!r}")
 
 
 def test_the_policy_names_the_scheduler():
     custom = "system:serviceaccount:kube-system:gpu-scheduler"
     policy = parse_policy({"attestationKeys": KEYS, "scheduler": {"identities": [custom]}})
-    old = allocated()
+    old = scheduled()
     assert status_update(old, deallocated(old), custom, policy=policy) == []
     assert_denied(status_update(old, deallocated(old), SCHEDULER, policy=policy), f"user {SCHEDULER!r}")
 
 
-def test_break_glass_on_the_stored_claim_allows_and_audits_the_deallocation():
+FAILED = {names.ANNOTATION_SCRUB_STATUS: f"{names.SCRUB_FAILED_PREFIX}scrub-failed: gpu-0 not verified"}
+
+
+def test_break_glass_after_a_failed_scrub_lets_the_controller_deallocate_audited():
+    """The agent fenced the devices with DeviceTaintRules when the scrub failed: the allocation may go."""
+    old = allocated(annotations={**FAILED, names.ANNOTATION_BREAK_GLASS: "node-a lost in a fire"})
+    findings = status_update(old, deallocated(old), CONTROLLER, groups=("system:serviceaccounts",))
+    assert [(f.rule, f.action, f.path) for f in findings] == [("SG007", "audit", PATH)], findings
+    assert f"break-glass deallocation by {CONTROLLER!r}, devices fenced after a failed scrub" in findings[0].message
+    assert "node-a lost in a fire" in findings[0].message
+
+
+def test_break_glass_before_the_agents_fence_refuses_the_controllers_deallocation():
+    """Mid-teardown, or with the agent gone, nothing but the allocation keeps the devices from the next claim."""
+    for status in ({}, {names.ANNOTATION_SCRUB_STATUS: names.SCRUB_SCRUBBING}):
+        old = allocated(annotations={**status, names.ANNOTATION_BREAK_GLASS: "node-a lost"})
+        assert_denied(
+            status_update(old, deallocated(old), CONTROLLER),
+            "break-glass (node-a lost) lets it go only once the node agent has fenced the devices",
+            "a member of the policy's admin groups clears the allocation",
+        )
+
+
+def test_an_admin_clearing_the_allocation_under_break_glass_is_allowed_and_audited():
     old = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "node-a lost in a fire"})
     findings = status_update(old, deallocated(old), "root-admin", groups=("system:masters",))
-    assert len(findings) == 1, findings
-    finding = findings[0]
-    assert (finding.rule, finding.action, finding.path) == ("SG007", "audit", PATH)
-    assert "break-glass deallocation by 'root-admin'" in finding.message
-    assert "node-a lost in a fire" in finding.message
+    assert [(f.rule, f.action, f.path) for f in findings] == [("SG007", "audit", PATH)], findings
+    assert "break-glass deallocation by admin 'root-admin', devices neither fenced nor attested" in findings[0].message
 
 
 def test_break_glass_is_audited_whatever_the_rules_action():
-    old = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "node-a lost"})
+    old = allocated(annotations={**FAILED, names.ANNOTATION_BREAK_GLASS: "node-a lost"})
     for action in ("warn", "audit"):
         policy = parse_policy({"rules": {"SG007": {"action": action}}})
-        assert [f.action for f in status_update(old, deallocated(old), policy=policy)] == ["audit"]
+        assert [f.action for f in status_update(old, deallocated(old), CONTROLLER, policy=policy)] == ["audit"]
 
 
 def test_break_glass_counts_only_on_the_stored_claim_and_with_a_reason():
-    old = allocated()
+    old = allocated(annotations=FAILED)
     new = deallocated(old)
     new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "trust me"
-    assert_denied(status_update(old, new))
-    blank = allocated(annotations={names.ANNOTATION_BREAK_GLASS: "   "})
-    assert_denied(status_update(blank, deallocated(blank)))
+    assert_denied(status_update(old, new, CONTROLLER))
+    blank = allocated(annotations={**FAILED, names.ANNOTATION_BREAK_GLASS: "   "})
+    assert_denied(status_update(blank, deallocated(blank), CONTROLLER))
+
+
+# -- Kubernetes' delete-protection on a claim holding a GPU ------------------------------------------------
+
+
+def without_delete_protection(old: dict[str, Any]) -> dict[str, Any]:
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = [f for f in new["metadata"]["finalizers"] if f != names.DELETE_PROTECTION_FINALIZER]
+    return new
+
+
+def claim_update(old: dict[str, Any], new: dict[str, Any], user: str, groups: tuple[str, ...]) -> list[Finding]:
+    return status_update(old, new, user, groups=groups, subresource="")
+
+
+def test_removing_delete_protection_from_a_claim_holding_a_gpu_is_denied():
+    old = allocated(finalizers=PROTECTED)
+    (finding,) = claim_update(old, without_delete_protection(old), "alice", ("tenants",))
+    assert (finding.rule, finding.action, finding.path) == ("SG007", "deny", "/metadata/finalizers")
+    assert f"user 'alice' removed {names.DELETE_PROTECTION_FINALIZER} from a claim that still holds a GPU" in (
+        finding.message
+    )
+
+
+def test_an_admin_may_remove_delete_protection_audited():
+    old = allocated(finalizers=PROTECTED)
+    (finding,) = claim_update(old, without_delete_protection(old), "root-admin", ("system:masters",))
+    assert (finding.rule, finding.action) == ("SG007", "audit")
+    assert f"admin 'root-admin' removed {names.DELETE_PROTECTION_FINALIZER}" in finding.message
+
+
+def test_delete_protection_goes_freely_once_the_claim_holds_no_gpu():
+    """As the resourceclaim controller removes it: after the deallocation. A claim of devices no agent
+    scrubs is not guarded at all."""
+    deallocated_claim = deallocated(allocated(finalizers=PROTECTED, annotations=attested()))
+    assert claim_update(deallocated_claim, without_delete_protection(deallocated_claim), CONTROLLER, ()) == []
+    fpga = allocated(devices=(FPGA,), finalizers=PROTECTED, device_class="fpga.example.com", recorded=False)
+    assert claim_update(fpga, without_delete_protection(fpga), "alice", ("tenants",)) == []
 
 
 # -- not this guard's business ----------------------------------------------------------------------------
-
-
-FPGA = {"driver": "fpga.example.com", "pool": "node-a", "device": "fpga-0"}
 
 
 def test_a_non_gpu_claim_is_not_guarded_with_or_without_the_finalizer():

@@ -59,11 +59,21 @@ def test_the_trusted_path_guards_the_deallocation_too(webhook):
     assert response["allowed"] is False and "SG007" in response["status"]["message"]
 
 
-def test_the_scheduler_deallocates_without_a_record(webhook):
-    body = deallocation_review(allocated_claim(), SCHEDULER)
+def test_the_scheduler_undoes_its_own_allocation_without_a_record(webhook):
+    old = allocated_claim()
+    del old["metadata"]["annotations"][names.ANNOTATION_DEVICES]  # no agent saw it used
+    old["metadata"]["finalizers"].append(names.DELETE_PROTECTION_FINALIZER)
+    body = deallocation_review(old, SCHEDULER)
     response = post_review(webhook, "/validate", body)
     assert response == {"uid": body["request"]["uid"], "allowed": True}
     assert unrecorded(webhook, body["request"]["uid"])
+
+
+def test_the_scheduler_may_not_clear_a_claim_the_agent_saw_used(webhook):
+    body = deallocation_review(allocated_claim(), SCHEDULER)
+    response = post_review(webhook, "/validate", body)
+    assert response["allowed"] is False
+    assert "user 'system:kube-scheduler' cleared the allocation" in response["status"]["message"]
 
 
 def test_an_attested_claim_is_deallocated_without_a_record(webhook):
@@ -92,7 +102,7 @@ def test_break_glass_deallocation_is_allowed_and_recorded_as_audit(webhook):
     assert response["allowed"] is True and "warnings" not in response
     record = record_for(webhook, body["request"]["uid"])
     assert (record["decision"], record["subResource"]) == ("audit", "status")
-    assert "break-glass deallocation by 'root-admin'" in record["findings"][0]["message"]
+    assert "break-glass deallocation by admin 'root-admin'" in record["findings"][0]["message"]
 
 
 def test_a_main_resource_record_has_an_empty_subresource(webhook):
