@@ -504,7 +504,15 @@ class LoadRun:
         for event in cluster.observer.claims():
             if event.obj["metadata"].get("namespace") in ours:
                 history.setdefault(event.obj["metadata"]["uid"], []).append(event)
-        by_name = {(e[0].obj["metadata"]["namespace"], e[0].obj["metadata"]["name"]): uid for uid, e in history.items()}
+        # A pod's claim is the one allocated for it: kube-controller-manager may make a second one from the
+        # template for a pod that has ended (never allocated, deleted at once) and name that in the pod's status.
+        by_pod = {
+            (e[0].obj["metadata"]["namespace"], ref["name"]): uid
+            for uid, e in history.items()
+            if any(_allocated(event.obj) for event in e)
+            for ref in e[0].obj["metadata"].get("ownerReferences") or []
+            if ref.get("kind") == "Pod"
+        }
         pods: dict[tuple[str, str], list[Observed]] = {}
         for event in cluster.observer.pods():
             meta = event.obj["metadata"]
@@ -516,10 +524,10 @@ class LoadRun:
             if uid in history:
                 fences.setdefault(uid, []).append(event)
         for outcome in self.outcomes.values():
-            uid = by_name.get((outcome.namespace, outcome.name), "")
+            uid = by_pod.get((outcome.namespace, outcome.pod), "")
             outcome.released_at = ended_at(pods.get((outcome.namespace, outcome.pod), []))
             if uid:
-                outcome.uid = uid
+                outcome.uid, outcome.name = uid, history[uid][0].obj["metadata"]["name"]
                 follow(outcome, history[uid], fences.get(uid, []), cluster.public_keys)
         leftover = [
             r["metadata"]["name"]

@@ -65,7 +65,7 @@ class Agent(_Model):
 
 
 class Scheduler(_Model):
-    # Its deallocations undo an allocation of its own scheduling cycle, before the pod is bound.
+    # Its deallocations undo an allocation of its own that no pod used (rules._scheduler_may_clear says when).
     identities: tuple[str, ...] = ("system:kube-scheduler",)
 
 

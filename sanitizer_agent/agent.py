@@ -48,6 +48,7 @@ from .claims import (
     holds_devices,
     pod_claim_names,
     pod_finished,
+    pod_owner,
     recorded_devices,
     release_reason,
     scrub_status,
@@ -72,6 +73,8 @@ VERIFIED_STATES = frozenset({State.VERIFIED, State.ATTESTED, State.DONE})
 # Released, not yet verified clean: the allocation of the claim is asked about at each resync.
 TEARING_DOWN = frozenset({State.RELEASED, State.DRAINING, State.SCRUBBING})
 SLICE_REFRESH_S = 5.0
+# Resyncs at which the claims of a namespace are listed after a pod there ended (see _settle_ended_claims).
+ENDED_NAMESPACE_SCANS = 2
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
 
 
@@ -135,6 +138,8 @@ class Agent:
         self._ends_looked_at: dict[str, set[str]] = {}  # ended pod uid -> its claims looked at since
         # (namespace, claim) an ended pod named, not settled when looked at -> the pod's UID (see resync)
         self._unsettled_ends: dict[tuple[str, str], str] = {}
+        # Namespaces where a pod of this node with claims from templates ended -> resyncs left to list them at
+        self._ended_namespaces: dict[str, int] = {}
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
         self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
@@ -269,8 +274,13 @@ class Agent:
         namespace, uid = meta.get("namespace") or "", meta.get("uid") or ""
         finished = kind == "DELETED" or pod_finished(pod)
         if finished and uid:
+            templated = any(
+                (c or {}).get("resourceClaimTemplateName") for c in (pod.get("spec") or {}).get("resourceClaims") or []
+            )
             with self._lock:
                 self._finished_pods[uid] = self.clock()
+                if templated:
+                    self._ended_namespaces[namespace] = ENDED_NAMESPACE_SCANS
             self._live_pods.discard(uid)
         elif uid:
             self._live_pods.add(uid)
@@ -438,7 +448,7 @@ class Agent:
         ref = ClaimRef(namespace=meta.get("namespace") or "", name=meta.get("name") or "", uid=uid)
         not_held = unheld_devices(claim, [key for key, _ in devices], self._slices)
         # Health counts XIDs from the claim's creation: the agent may see the allocation late.
-        return self._begin(ref, devices, source="cluster", since=created_at(claim), not_held=not_held)
+        return self._begin(ref, devices, source="cluster", since=created_at(claim), not_held=not_held, seen=claim)
 
     def _scrubbable(self, key: DeviceKey, device: SliceDevice) -> bool:
         """Whether the agent fences and scrubs this device of its node; one that it cannot scrub (a ComputeDomain
@@ -459,6 +469,7 @@ class Agent:
         source: str,
         since: float | None = None,
         not_held: list[str] | None = None,
+        seen: dict[str, Any] | None = None,
     ) -> Teardown | None:
         now = self.clock()
         try:
@@ -469,6 +480,7 @@ class Agent:
                 allocated_at=min(since or now, now),
                 slices=self._slices,
                 not_held=not_held,
+                seen=seen,
             )
         except ClusterError as exc:
             td = self.store.teardowns.get(ref.uid)
@@ -553,10 +565,29 @@ class Agent:
         self._settle_ended_claims()
 
     def _settle_ended_claims(self) -> None:
-        """Claims that an ended pod named and that were neither allocated nor being deleted yet when looked at.
-        kube-controller-manager (1.37) makes such a claim from the template for a pod that has ended and deletes
-        it moments later, often after the pod's last event (a Job's pod deleted once it finished): asked again
-        here until it is gone, so that its finalizer goes within a resync, not at the claim resync."""
+        """Claims an ended pod owns that were neither allocated nor being deleted yet when looked at.
+        kube-controller-manager (1.37) makes such a claim from the template for a pod that has ended, names it in
+        the pod's status and deletes it moments later, often after the pod's last event (a Job's pod deleted once
+        it finished); where the pod went before its status named the claim, the garbage collector deletes the
+        claim and no pod event ever names it. So the claims of namespaces where such pods ended are listed at the
+        next resyncs, and those owned by ended pods asked about again until they are gone: their finalizer goes
+        within a resync or two, not at the claim resync minutes later."""
+        with self._lock:
+            scan = list(self._ended_namespaces)
+            self._ended_namespaces = {ns: n - 1 for ns, n in self._ended_namespaces.items() if n > 1}
+            finished = set(self._finished_pods)
+        for namespace in scan:
+            try:
+                claims = self.cluster.list_claims(namespace)
+            except ClusterError as exc:
+                log.warning("cannot list the claims of namespace %s: %s; the next resync retries", namespace, exc)
+                continue
+            for claim in claims:
+                owner = pod_owner(claim)
+                if owner in finished and not allocated_devices(claim) and not recorded_devices(claim):
+                    key = (namespace, (claim.get("metadata") or {}).get("name") or "")
+                    with self._lock:
+                        self._unsettled_ends.setdefault(key, owner)
         with self._lock:
             pending = list(self._unsettled_ends)
         for namespace, name in pending:
@@ -596,6 +627,8 @@ class Agent:
                 due.append(backoff[0] - now)  # nothing happens to it before then
             elif td.state == State.DRAINING:
                 due.append(self.settings.drain_poll_s)
+            elif td.state == State.ALLOCATED and (record_due := self.engine.record_due(td)) is not None:
+                due.append(record_due)
             elif td.state == State.FAILED and td.retry_at is not None:
                 due.append(td.retry_at - now)
             elif td.state == State.FAILED and self.settings.rescrub_dir is not None:

@@ -140,7 +140,10 @@ class Teardown(_Model):
     not_held: list[str] = []  # why its allocation does not keep every device it covers from other claims
     # Where the teardown was learnt from: "cluster" (a claim on this node) or "nvidia-checkpoint".
     source: str = "cluster"
-    allocated_at: float  # unix time of first sight; health is checked since then
+    allocated_at: float  # unix time of the claim's creation (or first sight); health is checked since then
+    # Unix time of first sight: the record of its devices goes on the claim once the allocation has lasted a
+    # while (`TeardownSettings.record_after_s`); None (an older checkpoint): due now.
+    seen_at: float | None = None
     released_at: float | None = None
     release_reason: str | None = None
     consumers: list[tuple[str, str]] = []  # (name, UID) of the pods the claim was reserved for at release

@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for processes to exit")
     parser.add_argument("--max-attempts", type=int, default=3, help="failed attempts before waiting for an operator")
     parser.add_argument("--retry-backoff", type=float, default=30.0, help="seconds before the first retry (doubles)")
+    parser.add_argument(
+        "--record-after",
+        type=float,
+        default=2.0,
+        help="seconds an allocation lasts before its record (scrubgate.dev/devices) goes on the claim; one "
+        "released sooner gets it with its attestation (default %(default)s)",
+    )
     parser.add_argument("--resync", type=float, default=30.0, help="seconds between full resyncs")
     parser.add_argument(
         "--claim-resync",
@@ -211,7 +218,10 @@ def _run_agent(args: argparse.Namespace) -> int:
     settings = AgentSettings(
         node=args.node,
         teardown=TeardownSettings(
-            drain_timeout_s=args.drain_timeout, max_attempts=args.max_attempts, retry_backoff_s=args.retry_backoff
+            drain_timeout_s=args.drain_timeout,
+            max_attempts=args.max_attempts,
+            retry_backoff_s=args.retry_backoff,
+            record_after_s=args.record_after,
         ),
         nvidia_checkpoint=Path(args.nvidia_checkpoint) if args.nvidia_checkpoint else None,
         rescrub_dir=request_dir(checkpoint),

@@ -65,8 +65,9 @@ class ClusterClient(Protocol):
         """The ResourceClaim, or None when it does not exist."""
         ...
 
-    def list_claims(self) -> list[dict[str, Any]]:
-        """Every ResourceClaim in the cluster (at start and every claim resync: claims whose pods are gone)."""
+    def list_claims(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every ResourceClaim in the cluster (at start and every claim resync: claims whose pods are gone), or
+        in one namespace."""
         ...
 
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,13 +245,14 @@ class KubernetesClusterClient:
         return self._versions[resource]
 
     def _claims_path(self, namespace: str | None = None, name: str = "") -> str:
-        """The claims of all namespaces (namespace None), or the claim `name` in `namespace`."""
+        """The claims of all namespaces (namespace None), those of `namespace`, or the claim `name` in it."""
         version = self._served_version("resourceclaims", CLAIM_VERSIONS)
         if version is None:
             raise ClusterError(f"the API server serves no {GROUP} version with resourceclaims", 404)
         if namespace is None:
             return f"/apis/{GROUP}/{version}/resourceclaims"
-        return f"/apis/{GROUP}/{version}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
+        path = f"/apis/{GROUP}/{version}/namespaces/{quote(namespace, safe='')}/resourceclaims"
+        return f"{path}/{quote(name, safe='')}" if name else path
 
     # ------------------------------------------------------------------ ClusterClient
 
@@ -286,8 +288,8 @@ class KubernetesClusterClient:
         except NotFound:
             return None
 
-    def list_claims(self) -> list[dict[str, Any]]:
-        return self._list(self._claims_path(), [])[0]
+    def list_claims(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self._list(self._claims_path(namespace), [])[0]
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

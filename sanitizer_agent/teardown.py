@@ -12,8 +12,9 @@ after the attestation is published (on the claim, or in an Event on the node whe
 fenced device, whose claim may no longer hold it, is handed out again only once a verified attestation of its
 scrub can be read. kube-scheduler retries waiting pods when a DeviceTaintRule goes.
 
-Crash safety: every transition is written to the checkpoint *before* the side effect that follows it,
-and every side effect is idempotent (create-if-absent, delete-if-present, patch guarded by `test` ops).
+Crash safety: every transition is written to the checkpoint *before* the side effect that follows it
+(`released` and `verified` are not written: nothing follows them that a restart could not redo from the state
+before), and every side effect is idempotent (create-if-absent, delete-if-present, patch guarded by `test` ops).
 The state in the checkpoint therefore names the next step to (re)do, and a restarted agent simply
 resumes: it re-ensures the fences of every teardown that has them, makes sure the allocation still holds
 the others' devices, then carries on. A fence is deleted only in `done`, which only follows a verified scrub
@@ -78,6 +79,13 @@ log = logging.getLogger(__name__)
 
 CONFLICT_RETRIES = 5
 STATUS_MAX = 256
+# `scrubbing` is announced once a scrub has run this long: each claim write also wakes the resourceclaim
+# controller into a deallocation that SG007 refuses, so a scrub that ends first is not announced at all.
+ANNOUNCE_SCRUBBING_AFTER_S = 1.0
+
+# States a teardown passes through with nothing done before the next one that a restart could not redo (the
+# release is seen again, the scrub redone): not written to the checkpoint, two writes less per claim.
+PASSING_STATES = frozenset({State.RELEASED, State.VERIFIED})
 
 TransitionHook = Callable[[Teardown, State], None]
 Outcome = tuple[State, dict[str, Any]] | None
@@ -88,6 +96,9 @@ class TeardownSettings:
     drain_timeout_s: float = 120.0
     max_attempts: int = 3  # failed attempts before the teardown waits for an operator
     retry_backoff_s: float = 30.0  # doubled after each failed attempt
+    # The record of an allocation (`scrubgate.dev/devices`, `scrub-status: fenced`) is written once it has lasted
+    # this long: a claim released sooner gets it with its attestation, one claim write and webhook call less.
+    record_after_s: float = 2.0
 
 
 class Signer:
@@ -208,10 +219,11 @@ class TeardownEngine:
         allocated_at: float,
         slices: Mapping[DeviceKey, SliceDevice],
         not_held: list[str] | None = None,
+        seen: dict[str, Any] | None = None,
     ) -> Teardown:
         """A new allocation on this node: record it (with the devices of `slices` sharing memory with it), and
         fence it where the allocation does not keep its devices from other claims (`not_held`, the claim's own
-        reasons, and memory shared without a counter)."""
+        reasons, and memory shared without a counter). `seen`: the claim as just read, for the first write."""
         records = [
             DeviceRecord(
                 driver=key[0],
@@ -234,9 +246,12 @@ class TeardownEngine:
             not_held=[*(not_held or []), *unheld_overlaps(records, overlaps, slices)],
             source=source,
             allocated_at=allocated_at,
+            seen_at=self.clock(),
         )
         with self.store.lock:
             self.store.teardowns[claim.uid] = td
+        if seen is not None:
+            self._claims[claim.uid] = seen
         log.info("claim %s: allocated %s on %s", claim, ", ".join(d.key for d in records), self.node)
         self._commit(td)
         self.ensure_fenced(td)
@@ -329,10 +344,17 @@ class TeardownEngine:
         acts)."""
         uid = td.claim.uid
         if td.state == State.ALLOCATED:
-            return (td.fenced is None or uid in self._fenced) and uid in self._status
+            record_due = self.record_due(td)
+            return (td.fenced is None or uid in self._fenced) and (record_due is None or record_due > 0)
         if td.state == State.FAILED:
             return td.failure_reported and (td.retry_at is None or self.clock() < td.retry_at)
         return False
+
+    def record_due(self, td: Teardown) -> float | None:
+        """Seconds until the record of the allocation is due on the claim (<= 0: due now); None once written."""
+        if td.claim.uid in self._status:
+            return None
+        return (td.seen_at or 0.0) + self.settings.record_after_s - self.clock()
 
     def fenced_devices(self) -> tuple[int, int]:
         """(devices under a fence of ours, devices failed)."""
@@ -353,7 +375,8 @@ class TeardownEngine:
         self.metrics.failed_devices.set(failed)
 
     def _commit(self, td: Teardown) -> None:
-        self._save()
+        if td.state not in PASSING_STATES:
+            self._save()
         if self.on_transition:
             self.on_transition(td, td.state)
 
@@ -458,12 +481,14 @@ class TeardownEngine:
                 return self._write_claim(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
 
-    def _announce(self, td: Teardown, status: str, extra: dict[str, str] | None = None) -> None:
-        """Best-effort progress annotation: an API hiccup must not hold up a scrub."""
+    def _announce(self, td: Teardown, status: str) -> None:
+        """Best-effort progress annotation: an API hiccup must not hold up a scrub. The first one carries the
+        record of the claim's devices."""
         if self._status.get(td.claim.uid) == status:
             return
+        record = {} if td.claim.uid in self._status else {names.ANNOTATION_DEVICES: self._devices_annotation(td)}
         try:
-            self._write_claim(td, {**(extra or {}), names.ANNOTATION_SCRUB_STATUS: status})
+            self._write_claim(td, {**record, names.ANNOTATION_SCRUB_STATUS: status})
             self._status[td.claim.uid] = status
         except ClusterError as exc:
             log.warning("claim %s: could not set %s=%s: %s", td.claim, names.ANNOTATION_SCRUB_STATUS, status, exc)
@@ -512,8 +537,10 @@ class TeardownEngine:
 
     def _on_allocated(self, td: Teardown) -> Outcome:
         # The record of its devices, which SG007 reads once the allocation is gone, and `fenced`: kept from
-        # other claims (by the allocation, or where it cannot, by fences).
-        self._announce(td, names.SCRUB_FENCED, {names.ANNOTATION_DEVICES: self._devices_annotation(td)})
+        # other claims (by the allocation, or where it cannot, by fences). Once the allocation has lasted a while.
+        record_due = self.record_due(td)
+        if record_due is not None and record_due <= 0:
+            self._announce(td, names.SCRUB_FENCED)
         return None  # until release
 
     def _on_released(self, td: Teardown) -> Outcome:
@@ -556,8 +583,24 @@ class TeardownEngine:
         with lock:
             yield
 
+    @contextlib.contextmanager
+    def _announced_after(self, td: Teardown, status: str, delay_s: float) -> Iterator[None]:
+        """Announces `status` if the block is still running after `delay_s` seconds (from a timer thread: the
+        claim's lane is in the block meanwhile, and nothing else writes this claim)."""
+        timer = threading.Timer(delay_s, self._announce, (td, status))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            timer.join()
+
     def _on_scrubbing(self, td: Teardown) -> Outcome:
-        self._announce(td, names.SCRUB_SCRUBBING)
+        with self._announced_after(td, names.SCRUB_SCRUBBING, ANNOUNCE_SCRUBBING_AFTER_S):
+            return self._scrub(td)
+
+    def _scrub(self, td: Teardown) -> Outcome:
         started = self.clock()
         scrubbed = []
         for device in td.devices:

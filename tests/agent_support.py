@@ -308,7 +308,7 @@ def make_node(
         clock=FakeClock(),
         signer=Signer(Ed25519PrivateKey.generate(), KID),
         violations=violations,
-        settings=TeardownSettings(drain_timeout_s=5.0, max_attempts=2, retry_backoff_s=10.0),
+        settings=TeardownSettings(drain_timeout_s=5.0, max_attempts=2, retry_backoff_s=10.0, record_after_s=0.0),
     )
     if counters:
         node.counters = _memory_counters(node)

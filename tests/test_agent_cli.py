@@ -63,7 +63,9 @@ def test_agent_process_hands_over_on_sigterm_and_tears_down_after_a_restart(tmp_
         with agent_process(argv) as (agent, output):
             core.patch_namespaced_pod_status("train-0", "team-a", {"status": {"phase": "Succeeded"}})
             done = eventually(finalizer_removed(cluster), "the finalizer's removal", alive=lambda: agent.poll() is None)
-            assert node.clean(0) and cluster._call("GET", rules)["items"] == []
+            assert node.clean(0)
+            # The fence goes right after the attestation is on the claim.
+            eventually(lambda: cluster._call("GET", rules)["items"] == [], "the fence lifted")
             token = done["metadata"]["annotations"][names.ANNOTATION_ATTESTATION]
             check_claim_attestation(token, done, node.signer.public_keys)
         assert "fences of gpu.nvidia.com/gpu-node-1/gpu-0 lifted" in output()

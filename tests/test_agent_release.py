@@ -279,3 +279,32 @@ def test_a_claim_held_only_by_our_finalizer_shows_its_attestation_before_it_goes
     attested = [w for w in writes if names.ANNOTATION_ATTESTATION in (w["metadata"].get("annotations") or {})]
     assert attested and names.FINALIZER in attested[0]["metadata"]["finalizers"], "stored with the attestation"
     assert node.violations.found == []
+
+
+def test_a_claim_made_for_an_ended_pod_that_no_pod_event_names_loses_the_finalizer_at_the_next_resync(tmp_path):
+    """kube-controller-manager made the claim from the template for a pod that had ended, and the pod was gone
+    before the pod's status could name it; the garbage collector deletes the claim (its owner is gone). No pod
+    event names it: the agent finds it by listing the claims of the namespace where its pod ended (seen in
+    bench/lifecycle.py's load: the claim otherwise waited for the claim resync, 10 minutes)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(agent)
+    node.cluster.add_claim("team-a", "job-2", [])
+    stored = node.cluster.claims[("team-a", "job-2")]
+    del stored["status"]["allocation"]
+    stored["metadata"]["ownerReferences"] = [
+        {"kind": "Pod", "name": "job-pod", "uid": pod["metadata"]["uid"], "controller": True}
+    ]
+    agent.observe_pod("DELETED", node.cluster.delete_pod(pod["metadata"]["uid"]))
+    node.cluster.delete_claim("team-a", "job-2")  # the garbage collector: its owner is gone
+    lists = node.cluster.calls.count("list_claims")
+    agent.resync()
+    assert ("team-a", "job-2") not in node.cluster.claims, "finalizer removed, the claim went"
+    assert node.cluster.calls.count("list_claims") == lists, "no list of every claim in the cluster"
+    assert node.cluster.calls.count("list_namespace_claims") == 1
+    assert node.violations.found == []

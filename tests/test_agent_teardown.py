@@ -9,6 +9,7 @@ from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation, verify
 from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import simulated
+from scrubgate.sanitizer_agent.teardown import TeardownSettings
 
 
 @pytest.mark.parametrize("mig", [False, True], ids=["full-gpu", "mig-slice"])
@@ -193,4 +194,32 @@ def test_a_claim_that_also_holds_another_drivers_device_is_released_on_the_gpus_
     after = node.cluster.claims[("team-a", "job")]
     assert node.clean(0) and names.FINALIZER not in after["metadata"]["finalizers"]
     assert not [e for e in node.cluster.events if e["reason"] == "AttestationMismatch"]
+    assert node.violations.found == []
+
+
+def test_the_record_of_an_allocation_waits_until_it_has_lasted_a_while(tmp_path):
+    """Each claim write also wakes the resourceclaim controller: a claim released within `record_after_s` of
+    first sight gets the record of its devices with its attestation, in one write; one that lasts gets it then."""
+    node = make_node(tmp_path)
+    node.settings = TeardownSettings(drain_timeout_s=5.0, record_after_s=2.0)
+    agent = node.agent()
+    agent.start()
+    _, short = node.tenant("short", [0])
+    _, long = node.tenant("long", [1])
+    agent.observe_pod("ADDED", short)
+    agent.observe_pod("ADDED", long)
+    agent.tick()
+    assert names.ANNOTATION_DEVICES not in claim_annotations(node, "short")
+    assert names.ANNOTATION_DEVICES not in claim_annotations(node, "long")
+    patches = node.cluster.calls.count("patch_claim")
+
+    agent.observe_pod("MODIFIED", node.finish(short, controller=False))
+    node.settle(agent)
+    assert node.cluster.calls.count("patch_claim") == patches + 1, "the record and the attestation in one write"
+    assert recorded(node, "short")[0]["device"] == node.device_names[0]
+
+    node.clock.advance(2.0)
+    assert agent.tick() == pytest.approx(agent.settings.resync_s, abs=1), "nothing due but the resync"
+    assert claim_annotations(node, "long")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
+    assert recorded(node, "long")[0]["device"] == node.device_names[1]
     assert node.violations.found == []

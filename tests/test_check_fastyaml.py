@@ -51,7 +51,7 @@ def assert_read_as_pyyaml_reads(text: str) -> None:
 
 
 def manifests() -> list[Path]:
-    roots = [REPO / "manifests", REPO / "tests" / "data", REPO.parent / "shared" / "realworld"]
+    roots = [REPO / "manifests", REPO / "tests" / "data", REPO / "tests" / "realworld"]
     return sorted(p for root in roots if root.is_dir() for p in root.rglob("*") if p.suffix in (".yaml", ".yml"))
 
 

@@ -35,7 +35,7 @@ def read(text: str) -> list:
 
 
 def corpus_files() -> list[Path]:
-    roots = [REPO / "manifests", REPO / "tests" / "data", REPO.parent / "shared" / "realworld"]
+    roots = [REPO / "manifests", REPO / "tests" / "data", REPO / "tests" / "realworld"]
     return sorted(p for root in roots if root.is_dir() for p in root.rglob("*") if p.suffix in (".yaml", ".yml"))
 
 

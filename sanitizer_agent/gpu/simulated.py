@@ -57,6 +57,7 @@ FaultKind = Literal[
     "recovery_action",  # int: NVML GPU recovery action
     "xid",  # int: appends one XID event (at the time given, default now)
     "linger",  # bool: attached processes never go away (a pid stuck in the driver)
+    "slow_scrub",  # float: seconds a scrub takes before it touches memory (a big GPU, a busy one)
 ]
 FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
 
@@ -426,6 +427,7 @@ class SimulatedGpu:
             return failed(f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed")
         if faults.get("scrub_error"):
             return failed(f"simulated CUDA error during scrub of {uuid}: {_message(faults['scrub_error'])}")
+        time.sleep(float(faults.get("slow_scrub") or 0))
         with _mapped(self.root, uuid) as mm:
             size = len(mm)
             zero_memory(mm)
@@ -463,6 +465,7 @@ class SimulatedGpu:
         self._known(parent)
         faults = self._faults(parent)
         self._check_nvml(parent, faults)
+        time.sleep(float(faults.get("slow_scrub") or 0))
         with _mapped(self.root, parent) as mm:
             step = len(mm) // MEMORY_SLICES
             begin, end = placement.start * step, (placement.start + placement.size) * step
