@@ -372,11 +372,8 @@ def _delete_protection_removal(
         return [], []
     if names.DELETE_PROTECTION_FINALIZER in new_finalizers or not as_dict(old.get("status")).get("allocation"):
         return [], []
-    try:
-        if not _required_devices(old, policy):
-            return [], []
-    except AttestationError:
-        pass  # an agent's record that cannot be read: keep the guard (fail closed)
+    if not _holds_guarded_devices(old, policy):
+        return [], []
     path = "/metadata/finalizers"
     if is_admin:
         return [], [
@@ -393,6 +390,15 @@ def _delete_protection_removal(
 def _required_devices(claim: dict[str, Any], policy: PolicyConfig) -> set[tuple[str, str, str]]:
     """What an attestation must cover: the claim's guarded devices and those on the agent's record."""
     return guarded_devices(claim, policy) | recorded_devices(claim)
+
+
+def _holds_guarded_devices(claim: dict[str, Any], policy: PolicyConfig) -> bool:
+    """Whether the claim holds, or the agent recorded, a device that may hold GPU memory; an agent's record that
+    cannot be read counts as one (fail closed)."""
+    try:
+        return bool(_required_devices(claim, policy))
+    except AttestationError:
+        return True
 
 
 def _owes_no_scrub(claim: dict[str, Any], policy: PolicyConfig) -> bool:
@@ -454,11 +460,8 @@ def deallocation_guard(
     if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
         return [], []
     # Only devices that may hold GPU memory are guarded: one no agent scrubs would stay allocated forever.
-    try:
-        if not _required_devices(old, policy):
-            return [], []
-    except AttestationError:
-        pass  # an agent's record that cannot be read: keep the guard (fail closed)
+    if not _holds_guarded_devices(old, policy):
+        return [], []
     if username in policy.scheduler.identities and _scheduler_may_clear(old):
         return [], []
     # The metadata of a status write is the stored one: read the attestation from the old object.

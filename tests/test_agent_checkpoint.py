@@ -131,12 +131,7 @@ def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
     agent.start()
     with contextlib.suppress(Crash):
         node.job_ends(agent)
-    data = json.loads(node.checkpoint.read_text())
-    (teardown,) = data["teardowns"].values()
-    data["version"], teardown["state"] = 1, "unfenced"
-    del teardown["fenced"], teardown["not_held"]  # not in version 1
-    node.checkpoint.write_text(json.dumps(data))
-    fence_as_version_1_did(node, teardown)
+    fence_as_version_1_did(node, as_older_version(node, 1, state="unfenced"))
     assert node.fenced(0) and node.clean(0)
 
     restarted = node.agent()
@@ -147,6 +142,18 @@ def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
     assert names.ANNOTATION_ATTESTATION in claim["metadata"]["annotations"]
     assert names.FINALIZER not in claim["metadata"]["finalizers"]
     assert json.loads(node.checkpoint.read_text())["version"] == 3
+
+
+def as_older_version(node, version: int, **changes: str) -> dict:
+    """Rewrites the node's checkpoint, of one teardown, as `version` wrote it (with `changes`); returns it."""
+    data = json.loads(node.checkpoint.read_text())
+    (teardown,) = data["teardowns"].values()
+    data["version"] = version
+    for field in ("fenced", "not_held", "seen_at"):  # not in versions 1 and 2
+        del teardown[field]
+    teardown.update(changes)
+    node.checkpoint.write_text(json.dumps(data))
+    return teardown
 
 
 def fence_as_version_1_did(node, teardown: dict) -> None:
@@ -167,12 +174,7 @@ def test_a_version_2_teardown_keeps_its_fences_until_its_scrub(tmp_path):
     agent.start()
     _, pod = node.tenant("job", [0])
     agent.observe_pod("ADDED", pod)
-    data = json.loads(node.checkpoint.read_text())
-    (teardown,) = data["teardowns"].values()
-    data["version"] = 2
-    del teardown["fenced"], teardown["not_held"]  # not in version 2
-    node.checkpoint.write_text(json.dumps(data))
-    fence_as_version_1_did(node, teardown)
+    fence_as_version_1_did(node, as_older_version(node, 2))
 
     restarted = node.agent()
     restarted.start()

@@ -140,6 +140,7 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
     "nvidia-dra-driver-gpu/selectors__pods.yaml": P3,
 }
 
+
 def test_the_table_covers_the_whole_corpus():
     on_disk = {
         p.relative_to(REALWORLD).as_posix() for p in REALWORLD.rglob("*") if p.suffix in (".yaml", ".yml", ".json")

@@ -93,6 +93,19 @@ def agent_counter(cluster: Cluster, name: str) -> float:
     return sum(float(line.split()[-1]) for line in cluster.agent_metrics().splitlines() if line.startswith(f"{name} "))
 
 
+def draining(cluster_factory: Callable[..., Cluster], prefix: str) -> tuple[Cluster, Held, str]:
+    """A cluster whose agent holds alice's released claim in its drain (a process that does not leave the GPU),
+    and a namespace for the next tenant."""
+    cluster = cluster_factory(gpus=1, agent_args=("--resync", "1", "--drain-timeout", "120"))
+    ns_a, ns_b = tenant_namespace(cluster, f"{prefix}-a"), tenant_namespace(cluster, f"{prefix}-b")
+    create_template(cluster, "alice", ns_a, "one-gpu")
+    held = hold_gpu(cluster, ns_a, "a", "one-gpu")
+    cluster.inject_fault(held.uuid, "linger")
+    cluster.core("alice").delete_namespaced_pod("a", ns_a)
+    wait_teardown(cluster, held, State.DRAINING)
+    return cluster, held, ns_b
+
+
 def test_a_failed_teardown_is_fenced_and_break_glass_lets_its_claim_go_while_the_fence_stays(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
@@ -146,13 +159,7 @@ def test_a_failed_teardown_is_fenced_and_break_glass_lets_its_claim_go_while_the
 def test_an_allocation_cleared_behind_scrubgates_back_is_fenced_at_once(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    cluster = cluster_factory(gpus=1, agent_args=("--resync", "1", "--drain-timeout", "120"))
-    ns_a, ns_b = tenant_namespace(cluster, "bypass-a"), tenant_namespace(cluster, "bypass-b")
-    create_template(cluster, "alice", ns_a, "one-gpu")
-    held = hold_gpu(cluster, ns_a, "a", "one-gpu")
-    cluster.inject_fault(held.uuid, "linger")  # a process that does not leave the GPU: the drain waits
-    cluster.core("alice").delete_namespaced_pod("a", ns_a)
-    wait_teardown(cluster, held, State.DRAINING)
+    cluster, held, ns_b = draining(cluster_factory, "bypass")
 
     # An admin, taking the node for lost, clears the allocation personally (break-glass, audited): nothing
     # but the agent can keep the dirty device from the scheduler now.
@@ -185,13 +192,7 @@ def test_an_allocation_cleared_behind_scrubgates_back_is_fenced_at_once(
 def test_uninstall_mid_teardown_fences_before_the_guard_goes_and_a_reinstall_finishes(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    cluster = cluster_factory(gpus=1, agent_args=("--resync", "1", "--drain-timeout", "120"))
-    ns_a, ns_b = tenant_namespace(cluster, "uninstall-a"), tenant_namespace(cluster, "uninstall-b")
-    create_template(cluster, "alice", ns_a, "one-gpu")
-    held = hold_gpu(cluster, ns_a, "a", "one-gpu")
-    cluster.inject_fault(held.uuid, "linger")
-    cluster.core("alice").delete_namespaced_pod("a", ns_a)
-    wait_teardown(cluster, held, State.DRAINING)
+    cluster, held, ns_b = draining(cluster_factory, "uninstall")
     assert not fences(cluster, held)
 
     # The agents go first, each fencing what it still owes; then the webhook configurations, then the webhook.
