@@ -51,7 +51,7 @@ class State(StrEnum):
 
 # Where a device may hold a tenant's data: out of reach of other claims, by its claim's allocation or a fence.
 DIRTY_STATES = frozenset({State.ALLOCATED, State.RELEASED, State.DRAINING, State.SCRUBBING, State.FAILED})
-# Where the teardown's own fences, if it has any, still stand: until its attestation is signed and they go.
+# Where the teardown's own fences, if it has any, still stand: until its attestation is published (`done`).
 OWED_STATES = DIRTY_STATES | {State.VERIFIED, State.ATTESTED}
 
 FenceKind = Literal["rule", "node"]

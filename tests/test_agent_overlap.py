@@ -23,7 +23,7 @@ from agent_support import (
 from scrubgate.policies import names
 from scrubgate.policies.attestation import verify
 from scrubgate.sanitizer_agent import claims, rescrub
-from scrubgate.sanitizer_agent.checkpoint import State
+from scrubgate.sanitizer_agent.checkpoint import FenceReason, State
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
 from scrubgate.sanitizer_agent.gpu import simulated
 
@@ -299,3 +299,25 @@ def _unschedulable(cluster, namespace: str, name: str) -> str:
         if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
             return condition.get("message") or ""
     return ""
+
+
+@pytest.mark.parametrize("how", ["allowMultipleAllocations", "shareID"])
+def test_a_device_several_claims_may_hold_is_fenced_from_first_sight(tmp_path, how):
+    """Consumable capacity (KEP-5075): a device published with allowMultipleAllocations, or allocated as a share,
+    may go to other claims while this one holds it, so its allocation keeps it from nobody."""
+    node = make_node(tmp_path, gpus=2)
+    if how == "allowMultipleAllocations":
+        node.cluster.slices[0]["spec"]["devices"][0]["allowMultipleAllocations"] = True
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("share", [0])
+    if how == "shareID":
+        result = node.cluster.claims[("team-a", "share")]["status"]["allocation"]["devices"]["results"][0]
+        result["shareID"] = "0f9bb8b4-8d26-4a6c-9a2f-4b1e6c1c2f3a"
+    agent.observe_pod("ADDED", pod)
+    td = agent.store.teardowns[claim["metadata"]["uid"]]
+    assert td.fenced == FenceReason.NOT_HELD and "may be allocated to several claims at once" in td.not_held[0]
+    assert node.fenced(0) and not node.fenced(1)
+    agent.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules and node.violations.found == []

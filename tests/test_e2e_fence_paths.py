@@ -200,8 +200,9 @@ def test_uninstall_mid_teardown_fences_before_the_guard_goes_and_a_reinstall_fin
     (fence,) = fences(cluster, held)
     taint = fence["spec"]["taint"]
     assert (taint["key"], taint["value"], taint["effect"]) == (names.TAINT_UNSANITIZED, held.uid, "NoSchedule")
-    # No guard now: the resourceclaim controller deallocates the unattested claim. The fence keeps the device.
-    wait_for(lambda: deallocated(cluster, held), WAIT_S, f"claim {held.claim} deallocated without the webhook")
+    # No guard now: the resourceclaim controller deallocates the unattested claim (at its next retry: its backoff
+    # grew with each refusal while the agent drained). The fence keeps the device.
+    wait_for(lambda: deallocated(cluster, held), 3 * WAIT_S, f"claim {held.claim} deallocated without the webhook")
     next_tenant(cluster, ns_b, "next", held.uuid)
     wait_unschedulable(cluster, ns_b, "next")
 
