@@ -15,8 +15,8 @@ agent never lifts a fence while another device it owes a scrub stands in reach. 
 an uninstall, an upgrade, the node shutting down) it fences what it still owes, since the webhook that keeps
 those allocations may be removed next.
 
-Concurrency (`max_concurrent_teardowns` > 0): the loop's thread reads events and fences new allocations
-itself, at once; everything else a claim's teardown does (release checks, drain, scrub, attestation, API
+Concurrency (`max_concurrent_teardowns` > 0): the loop's thread reads events and takes up new allocations
+(fencing those that need it) itself, at once; everything else a claim's teardown does (release checks, drain, scrub, attestation, API
 writes) runs in the claim's lane (`lanes.py`): in order for one claim, side by side for different claims, at
 most that many at once. Each step is still checkpointed before its side effect, so a crash anywhere restarts
 into "fenced" or "verified clean".
@@ -521,7 +521,7 @@ class Agent:
             f"claim {td.claim} {'was deleted' if gone else 'lost its allocation'} before the scrub of "
             f"{', '.join(d.key for d in td.devices)} on node {self.node} was attested: scrubgate's admission guard "
             "was bypassed or removed (its webhooks deleted or not called, an admin clearing the allocation). The "
-            "devices are fenced with DeviceTaintRules until their scrub is verified; whoever got them meanwhile "
+            "devices are fenced until their scrub is verified; whoever got them meanwhile "
             "may have seen the last tenant's data: find the deallocation in the API server's audit log"
         )
         log.error("%s", message)
@@ -581,6 +581,8 @@ class Agent:
                 claims = self.cluster.list_claims(namespace)
             except ClusterError as exc:
                 log.warning("cannot list the claims of namespace %s: %s; the next resync retries", namespace, exc)
+                with self._lock:
+                    self._ended_namespaces.setdefault(namespace, 1)
                 continue
             for claim in claims:
                 owner = pod_owner(claim)
