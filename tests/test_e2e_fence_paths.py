@@ -28,6 +28,7 @@ from e2e_support import (
     tenant_namespace,
     wait_gone,
 )
+from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 from scrubgate.policies.attestation import verify
 from scrubgate.sanitizer_agent.checkpoint import State
@@ -62,12 +63,27 @@ def break_glass(cluster: Cluster, held: Held) -> None:
 
 
 def strip_finalizer_as_admin(cluster: Cluster, held: Held) -> None:
-    claim = cluster.claim(held.namespace, held.claim)
-    assert claim is not None, f"claim {held.namespace}/{held.claim} is gone"
-    kept = [f for f in claim["metadata"]["finalizers"] if f != names.FINALIZER]
-    ops = [{"op": "replace", "path": "/metadata/finalizers", "value": kept}]
+    """`kubectl patch --type=json` removing scrubgate's finalizer by its index (tested first: the resourceclaim
+    controller removes its own finalizer around then), read again where the claim changed."""
     path = cluster.resource_path("resourceclaims", held.namespace, held.claim)
-    cluster.request("PATCH", path, ops, content_type="application/json-patch+json")
+
+    def strip() -> bool:
+        claim = cluster.claim(held.namespace, held.claim)
+        assert claim is not None, f"claim {held.namespace}/{held.claim} is gone"
+        index = claim["metadata"]["finalizers"].index(names.FINALIZER)
+        ops = [
+            {"op": "test", "path": f"/metadata/finalizers/{index}", "value": names.FINALIZER},
+            {"op": "remove", "path": f"/metadata/finalizers/{index}"},
+        ]
+        try:
+            cluster.request("PATCH", path, ops, content_type="application/json-patch+json")
+        except ApiException as exc:
+            if exc.status != 422:  # the `test` op failed: the claim changed
+                raise
+            return False
+        return True
+
+    wait_for(strip, WAIT_S, f"the admin's removal of {names.FINALIZER} from claim {held.claim}")
 
 
 def audited(cluster: Cluster, held: Held, user: str, fragment: str) -> list[dict]:
