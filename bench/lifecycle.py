@@ -8,7 +8,7 @@ writing its own and ending after a few seconds; at most --parallelism pods at on
 
     .venv/bin/python bench/lifecycle.py [--claims 200] [--gpus 8] [--mig 7] [--parallelism 24 48]
                                         [--run-seconds 4] [--timeout 300] [--workdir DIR]
-                                        [--kube-api-qps 200] [--without-scrubgate]
+                                        [--kube-api-qps 200] [--without-scrubgate | --alternate PAIRS]
 
 kube-controller-manager and kube-scheduler run with --kube-api-qps 200 (burst 400), as clusters that run
 bursts of short jobs set them: at their defaults (20 and 50 requests/s) the resourceclaim controller, which
@@ -16,12 +16,17 @@ makes four to six requests per pod with a claim, caps the whole cluster at about
 scrubgate (`--kube-api-qps 0` keeps the defaults). `--without-scrubgate` runs the same load with scrubgate's
 admission configurations deleted and its webhook and agent stopped: what the control plane and the harness
 do alone on the machine. No claim is scrubbed then: its invariant columns show what scrubgate prevents, and
-the exit status does not depend on them.
+the exit status does not depend on them. `--alternate PAIRS` measures what scrubgate costs in one invocation:
+PAIRS runs with it and as many without, alternating (so that a machine getting busier or quieter weighs on
+both alike), then each pair's claims/s and failed scheduling attempts per pod as a ratio to the bare control
+plane's, and their mean. The row `CPU per claim` (from /proc) splits the CPU time over the run between the
+control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) and scrubgate's own processes,
+which a cluster runs on its GPU nodes and workers.
 
-Prints a Markdown table, one column per --parallelism value. Release is the pod's end (the claim's reservedFor
-is emptied in the update that clears its allocation, which the webhook refuses until the attestation); devices
-allocatable is the later of the claim's allocation cleared (or the claim deleted) and the last of our
-DeviceTaintRules for it deleted, where it had any; finalizer removed is the claim object released. A claim
+Prints a Markdown table per --parallelism value, one column per run. Release is the pod's end (the claim's
+reservedFor is emptied in the update that clears its allocation, which the webhook refuses until the
+attestation); devices allocatable is the later of the claim's allocation cleared (or the claim deleted) and
+the last of our DeviceTaintRules for it deleted, where it had any; finalizer removed is the claim object released. A claim
 gets a DeviceTaintRule ("fence") only on rare paths (a failed scrub, a bypassed guard, admin access, shared
 devices, the agent's shutdown): the fence rows say how many claims had one, and n/a when none did. Times come
 from the observer's watch of claims, fences and pods; the kube-scheduler rows from its /metrics before and
@@ -80,10 +85,17 @@ def main() -> int:
         default=200.0,
         help="client rate limit of kube-controller-manager and kube-scheduler (0: their defaults, 20 and 50)",
     )
-    parser.add_argument(
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
         "--without-scrubgate",
         action="store_true",
         help="the same load with scrubgate's webhooks, policy and agent removed first (a baseline)",
+    )
+    what.add_argument(
+        "--alternate",
+        type=int,
+        metavar="PAIRS",
+        help="per --parallelism value, PAIRS runs with scrubgate and as many without, alternating, and their ratios",
     )
     args = parser.parse_args()
 
@@ -97,31 +109,82 @@ def main() -> int:
     print(f"kube-controller-manager and kube-scheduler with {qps}")
     if args.without_scrubgate:
         print("WITHOUT scrubgate (a baseline): no webhook, no policy, no agent; every claim is left dirty")
+    # (parallelism, with scrubgate, column header) of each run, in the order they run
+    plan = [
+        (parallelism, scrubgate, header)
+        for parallelism in args.parallelism
+        for pair in range(args.alternate or 1)
+        for scrubgate, header in (
+            [(True, f"scrubgate {pair + 1}"), (False, f"without {pair + 1}")]
+            if args.alternate
+            else [(not args.without_scrubgate, f"{parallelism} at once")]
+        )
+    ]
     results = []
     with tempfile.TemporaryDirectory(prefix="sg-lifecycle-bench-", dir=args.workdir) as base:
-        for i, parallelism in enumerate(args.parallelism):
+        for i, (parallelism, scrubgate, header) in enumerate(plan):
             spec = LoadSpec(
                 claims=args.claims, parallelism=parallelism, run_seconds=args.run_seconds, timeout_s=args.timeout
             )
             with Cluster(
                 Path(base) / f"run-{i + 1}", gpus=args.gpus, mig_per_gpu=args.mig, client_qps=args.kube_api_qps or None
             ) as cluster:
-                if args.without_scrubgate:
+                if not scrubgate:
                     cluster.uninstall_scrubgate()
-                print(f"run {i + 1}: {spec}", file=sys.stderr, flush=True)
+                print(f"run {i + 1} ({header}): {spec}", file=sys.stderr, flush=True)
                 results.append(run_load(cluster, spec, lambda line: print(f"  {line}", file=sys.stderr, flush=True)))
-    print()
-    print(markdown_table(results))
     failed = False
-    for i, result in enumerate(results):
-        if args.without_scrubgate:
-            break  # nothing was meant to end clean
-        problems = result.problems()
-        if problems:
-            failed = True
-            print(f"\nrun {i + 1} did not end clean ({len(problems)} problems):")
-            print("\n".join(f"- {p}" for p in problems[:20]))
+    for parallelism in args.parallelism:
+        runs = [
+            (r, scrubgate, header) for r, (p, scrubgate, header) in zip(results, plan, strict=True) if p == parallelism
+        ]
+        print(f"\n{parallelism} pods at once\n")
+        print(markdown_table([r for r, _, _ in runs], [header for _, _, header in runs]))
+        if args.alternate:
+            print()
+            print(ratio_table([r for r, _, _ in runs]))
+        for result, scrubgate, header in runs:
+            problems = result.problems() if scrubgate else []  # nothing is meant to end clean without scrubgate
+            if problems:
+                failed = True
+                print(f"\n{header} did not end clean ({len(problems)} problems):")
+                print("\n".join(f"- {p}" for p in problems[:20]))
     return 1 if failed else 0
+
+
+def ratio_table(runs: list) -> str:
+    """Each pair's ratios, scrubgate's to the bare control plane's (runs: with, without, with, without, ...), and
+    their mean."""
+    from devcluster.load import CONTROL_PLANE
+
+    rows = []
+    for pair, (mine, bare) in enumerate(zip(runs[::2], runs[1::2], strict=True)):
+        attempts = (mine.failed_attempts_per_pod, bare.failed_attempts_per_pod)
+        plane = (mine.cpu_per_claim(CONTROL_PLANE), bare.cpu_per_claim(CONTROL_PLANE))
+        rows.append(
+            (
+                str(pair + 1),
+                mine.claims_per_s / bare.claims_per_s if bare.claims_per_s else None,
+                attempts[0] / attempts[1] if None not in attempts and attempts[1] else None,
+                plane[0] / plane[1] if plane[1] else None,
+            )
+        )
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known else None
+
+    rows.append(("mean", *(mean([r[i] for r in rows]) for i in (1, 2, 3))))
+    lines = [
+        "| pair | claims/s | failed attempts per pod | control plane CPU per claim |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {row[0]} | {' | '.join(_ratio(v) for v in row[1:])} |" for row in rows]
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

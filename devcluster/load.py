@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import secrets
 import time
@@ -27,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -126,6 +128,8 @@ class LoadResult:
     violations: list[str]  # the observer's invariant check
     leftover_fences: list[str]  # fences of this run's claims still standing at the end
     agent_overhead: tuple[float, int] = (0.0, 0)  # the agent's teardown-overhead histogram: sum, count
+    # CPU seconds used over the run by the control plane's processes and by scrubgate's (see `cpu_seconds`)
+    cpu_s: Counter[str] = field(default_factory=Counter)
     # kube-scheduler's and kube-apiserver's counters over the run (see `scheduler_counts`, `apiserver_counts`);
     # None when their /metrics could not be read
     scheduling: Counter[str] | None = None
@@ -193,16 +197,22 @@ class LoadResult:
             ("devices reused by a later claim", str(self.reallocations)),
             *self._scheduling_rows(),
             ("API requests per claim (scrubgate's share)", self._api_requests()),
+            ("CPU per claim: control plane / scrubgate's webhook and agents", self._cpu_per_claim()),
             ("invariant violations (observer)", str(len(self.violations))),
             ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
             ("claims not ended clean", str(sum(bool(c.problems()) for c in self.claims))),
         ]
 
+    @property
+    def failed_attempts_per_pod(self) -> float | None:
+        if self.scheduling is None:
+            return None
+        return self.scheduling["attempts/unschedulable"] / max(len(self.claims), 1)
+
     def _scheduling_rows(self) -> list[tuple[str, str]]:
         failed, moved = "n/a", "n/a"
         if (counts := self.scheduling) is not None:
-            total = counts["attempts/unschedulable"]
-            failed = f"{total / max(len(self.claims), 1):.1f} ({total:.0f} in all)"
+            failed = f"{self.failed_attempts_per_pod:.1f} ({counts['attempts/unschedulable']:.0f} in all)"
             moved = f"{counts['requeued/' + SLICE_UPDATE]:.0f} / {counts['requeued/' + CLAIM_UPDATE]:.0f}"
         return [
             ("kube-scheduler: failed attempts per pod", failed),
@@ -215,14 +225,23 @@ class LoadResult:
         claims = max(len(self.claims), 1)
         return f"{scrubgate_requests(counts) / claims:.1f} ({counts[ALL_REQUESTS] / claims:.1f} in all)"
 
+    def cpu_per_claim(self, group: str) -> float:
+        """CPU seconds per claim of a process group over the run: CONTROL_PLANE or SCRUBGATE."""
+        return self.cpu_s[group] / max(len(self.claims), 1)
+
+    def _cpu_per_claim(self) -> str:
+        return " / ".join(f"{1000 * self.cpu_per_claim(group):.0f} ms" for group in (CONTROL_PLANE, SCRUBGATE))
+
     def table(self) -> str:
         return markdown_table([self])
 
 
-def markdown_table(results: list[LoadResult]) -> str:
-    """One column per run."""
+def markdown_table(results: list[LoadResult], headers: list[str] | None = None) -> str:
+    """One column per run, headed `headers` (default: run 1, run 2, ...)."""
     columns = [r.rows() for r in results]
-    header = ["metric", *(f"run {i + 1}" if len(results) > 1 else "value" for i in range(len(results)))]
+    if headers is None:
+        headers = [f"run {i + 1}" if len(results) > 1 else "value" for i in range(len(results))]
+    header = ["metric", *headers]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(results)]
     for i, (metric, _) in enumerate(columns[0]):
         lines.append("| " + " | ".join([metric, *(column[i][1] for column in columns)]) + " |")
@@ -265,6 +284,29 @@ APISERVER_COUNTERS: dict[str, Keys] = {
         (REJECTED,) if labels.get("name", "").endswith(f".{names.DOMAIN}") else ()
     ),
 }
+
+
+CONTROL_PLANE = "control plane"  # etcd, kube-apiserver, kube-controller-manager, kube-scheduler
+SCRUBGATE = "scrubgate"  # the webhook and the agents (not running in a run without scrubgate)
+
+
+def cpu_seconds(cluster: Cluster) -> Counter[str]:
+    """CPU seconds (user and system) each process group has used so far, from /proc/<pid>/stat."""
+    plane = cluster.control_plane
+    groups = {
+        CONTROL_PLANE: [plane.etcd, plane.apiserver, plane.controller_manager, plane.scheduler],
+        SCRUBGATE: [cluster.webhook, *(node.agent for node in cluster.nodes)],
+    }
+    found: Counter[str] = Counter()
+    for group, processes in groups.items():
+        for process in processes:
+            if process.pid is None or not process.running:
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # after the parenthesised command name: utime and stime are fields 14 and 15 of the line
+                fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                found[group] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return found
 
 
 def counters(text: str, wanted: dict[str, Keys]) -> Counter[str]:
@@ -375,6 +417,7 @@ class LoadRun:
         self.outcomes: dict[tuple[str, str], ClaimOutcome] = {}  # by (namespace, pod)
         self._scheduling_before: Counter[str] | None = None
         self._api_before: Counter[str] | None = None
+        self._cpu_before: Counter[str] = Counter()
         self.notes: list[str] = []
 
     def run(self) -> LoadResult:
@@ -382,6 +425,7 @@ class LoadRun:
         self._set_up()
         self._scheduling_before = scheduler_counts(self.cluster)
         self._api_before = apiserver_counts(self.cluster)
+        self._cpu_before = cpu_seconds(self.cluster)
         started = time.monotonic()
         if self._submit_all(deadline):
             self.progress(f"all {self.spec.claims} pods finished after {time.monotonic() - started:.1f}s")
@@ -550,6 +594,7 @@ class LoadRun:
             agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
             scheduling=counted_since(self._scheduling_before, scheduler_counts(cluster)),
             api_requests=counted_since(self._api_before, apiserver_counts(cluster)),
+            cpu_s=cpu_seconds(cluster) - self._cpu_before,
             notes=self.notes,
         )
 

@@ -83,9 +83,12 @@ STATUS_MAX = 256
 # controller into a deallocation that SG007 refuses, so a scrub that ends first is not announced at all.
 ANNOUNCE_SCRUBBING_AFTER_S = 1.0
 
-# States a teardown passes through with nothing done before the next one that a restart could not redo (the
-# release is seen again, the scrub redone): not written to the checkpoint, two writes less per claim.
-PASSING_STATES = frozenset({State.RELEASED, State.VERIFIED})
+# States written to the checkpoint as the teardown enters them: first sight (what the agent owes, should the
+# claim go while it is down), the signed attestation (before it is published: a restart publishes the same one),
+# and a failure (its attempts count). Every other state is written only where the teardown stops in it (waits,
+# backs off, or announces it): one it merely passes through is redone by a restart from the last written state
+# (the release seen again, the drain and the scrub redone), so the normal path writes three times, not six.
+WRITTEN_ON_ENTRY = frozenset({State.ALLOCATED, State.ATTESTED, State.FAILED})
 
 TransitionHook = Callable[[Teardown, State], None]
 Outcome = tuple[State, dict[str, Any]] | None
@@ -202,6 +205,7 @@ class TeardownEngine:
         self._fence_lock = threading.Lock()
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
+        self._unwritten: set[str] = set()  # claim UIDs whose state the checkpoint does not have yet
         # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
         # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
         self.schedule: Callable[[Teardown], None] = schedule or self.advance
@@ -323,20 +327,25 @@ class TeardownEngine:
         log.warning("claim %s: operator asked for another teardown attempt (last failure: %s)", td.claim, td.reason)
         # One more attempt: `attempts` keeps counting, so another failure waits for the operator again.
         self._transition(td, State.DRAINING, **self._drain_fields())
+        self._write_if_unwritten(td)  # the operator's request is used up: a restart must not wait for another
         self.schedule(td)
         return True
 
     def advance(self, td: Teardown) -> None:
         """Runs the teardown as far as it can go now. ClusterError propagates (the caller retries later
-        with backoff; the state is unchanged and every step is safe to redo)."""
-        while self.store.teardowns.get(td.claim.uid) is td:
-            if td.state in OWED_STATES:
-                self.ensure_fenced(td)
-            outcome = getattr(self, f"_on_{td.state.value}")(td)
-            if outcome is None:
-                return
-            state, changes = outcome
-            self._transition(td, state, **changes)
+        with backoff; the state is unchanged and every step is safe to redo). The state it stops in is written
+        to the checkpoint."""
+        try:
+            while self.store.teardowns.get(td.claim.uid) is td:
+                if td.state in OWED_STATES:
+                    self.ensure_fenced(td)
+                outcome = getattr(self, f"_on_{td.state.value}")(td)
+                if outcome is None:
+                    return
+                state, changes = outcome
+                self._transition(td, state, **changes)
+        finally:
+            self._write_if_unwritten(td)
 
     def waiting(self, td: Teardown) -> bool:
         """Whether `advance` has nothing to do for `td` until something happens to it: allocated, fenced where it
@@ -375,8 +384,11 @@ class TeardownEngine:
         self.metrics.failed_devices.set(failed)
 
     def _commit(self, td: Teardown) -> None:
-        if td.state not in PASSING_STATES:
+        if td.state in WRITTEN_ON_ENTRY:
+            self._unwritten.discard(td.claim.uid)
             self._save()
+        else:
+            self._unwritten.add(td.claim.uid)
         if self.on_transition:
             self.on_transition(td, td.state)
 
@@ -387,9 +399,15 @@ class TeardownEngine:
             td.state = state
         self._commit(td)
 
+    def _write_if_unwritten(self, td: Teardown) -> None:
+        if td.claim.uid in self._unwritten and self.store.teardowns.get(td.claim.uid) is td:
+            self._unwritten.discard(td.claim.uid)
+            self._save()
+
     def _forget(self, td: Teardown) -> None:
         with self.store.lock:
             del self.store.teardowns[td.claim.uid]
+        self._unwritten.discard(td.claim.uid)
         self._fenced.discard(td.claim.uid)
         self._status.pop(td.claim.uid, None)
         self._claims.pop(td.claim.uid, None)
@@ -481,6 +499,11 @@ class TeardownEngine:
                 return self._write_claim(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
 
+    def _stays_in(self, td: Teardown, status: str) -> None:
+        """The teardown stays a while in its state: written to the checkpoint, and announced on the claim."""
+        self._write_if_unwritten(td)
+        self._announce(td, status)
+
     def _announce(self, td: Teardown, status: str) -> None:
         """Best-effort progress annotation: an API hiccup must not hold up a scrub. The first one carries the
         record of the claim's devices."""
@@ -563,7 +586,7 @@ class TeardownEngine:
         if not holders:
             return State.SCRUBBING, {"scrub_started_at": self.clock()}
         # Announced only when there is something to wait for: one claim PATCH less per teardown otherwise.
-        self._announce(td, names.SCRUB_DRAINING)
+        self._stays_in(td, names.SCRUB_DRAINING)
         if self.clock() >= (td.drain_deadline or 0):
             return self._fail(
                 td,
@@ -587,7 +610,7 @@ class TeardownEngine:
     def _announced_after(self, td: Teardown, status: str, delay_s: float) -> Iterator[None]:
         """Announces `status` if the block is still running after `delay_s` seconds (from a timer thread: the
         claim's lane is in the block meanwhile, and nothing else writes this claim)."""
-        timer = threading.Timer(delay_s, self._announce, (td, status))
+        timer = threading.Timer(delay_s, self._stays_in, (td, status))
         timer.daemon = True
         timer.start()
         try:

@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from agent_support import Crash, make_node
+from agent_support import NODE, Crash, make_node
 from scrubgate.policies import names
 from scrubgate.sanitizer_agent import checkpoint as ck
 from scrubgate.sanitizer_agent.checkpoint import (
@@ -19,6 +19,7 @@ from scrubgate.sanitizer_agent.checkpoint import (
     State,
     Teardown,
 )
+from scrubgate.sanitizer_agent.gpu import simulated
 
 
 def _store(tmp_path, node="n1") -> CheckpointStore:
@@ -185,3 +186,50 @@ def test_a_version_2_teardown_keeps_its_fences_until_its_scrub(tmp_path):
     assert node.clean(0) and not node.cluster.rules and restarted.store.teardowns == {}
     assert ("team-a", "job") not in node.cluster.claims
     assert node.violations.found == []
+
+
+def _states_written(monkeypatch) -> list[dict[str, str]]:
+    """Every checkpoint write from now on, as {claim name: state} of what it holds."""
+    writes: list[dict[str, str]] = []
+    real = ck.write_atomic
+
+    def spy(path, content):
+        teardowns = json.loads(content)["teardowns"].values()
+        writes.append({td["claim"]["name"]: td["state"] for td in teardowns})
+        real(path, content)
+
+    monkeypatch.setattr(ck, "write_atomic", spy)
+    return writes
+
+
+def test_a_teardown_writes_the_states_a_restart_needs_and_passes_through_the_others(tmp_path, monkeypatch):
+    """First sight, the signed attestation before it is published, and the teardown's end: three writes. The
+    release, the drain, the scrub and `done` are passed through (a restart from the last written state redoes
+    them), so they cost no fsync."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    writes = _states_written(monkeypatch)
+    node.job_ends(agent, "job")
+    assert writes == [{"job": "allocated"}, {"job": "attested"}, {}]
+    assert node.clean(0) and names.FINALIZER not in node.cluster.claims[("team-a", "job")]["metadata"]["finalizers"]
+
+
+def test_a_state_the_teardown_stays_in_is_written(tmp_path, monkeypatch):
+    """A drain that has to wait is written (a restart knows the release was seen), once."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    writes = _states_written(monkeypatch)
+    simulated.attach(node.root, node.gpus[0].uuid, pid=4_000_000)
+    simulated.inject_fault(node.root, node.gpus[0].uuid, "linger")
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    agent.tick()
+    node.clock.advance(1.0)
+    agent.tick()
+    assert writes == [{"job": "draining"}]
+    on_disk = CheckpointStore(node.checkpoint, NODE)
+    on_disk.load()
+    assert on_disk.teardowns[claim["metadata"]["uid"]].state == State.DRAINING
