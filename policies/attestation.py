@@ -202,15 +202,42 @@ def deleted_before_allocation(claim: Mapping[str, Any]) -> bool:
         return False
 
 
+_FIGURES = ("bytesTotal", "bytesScrubbed", "bytesReserved", "bytesUnreachable")
+
+
+def coverage_problem(
+    device: Mapping[str, Any], max_unreachable_fraction: float, max_unreachable_bytes: int
+) -> str | None:
+    """Why an attested device's figures do not show a scrub of its memory (None when they do): a size, bytes
+    scrubbed, every byte accounted for (scrubbed, reserved by the driver, or unreached), and no more unreached
+    than the smaller of the two bounds."""
+    # An attestation that states no reserve and nothing unreached must have scrubbed every byte.
+    figures = {k: device.get(k, 0 if k in ("bytesReserved", "bytesUnreachable") else None) for k in _FIGURES}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in figures.values()):
+        missing = ", ".join(k for k, v in figures.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0)
+        return f"states no byte count for {missing}"
+    total, scrubbed, reserved, unreachable = figures.values()
+    if total <= 0 or scrubbed <= 0:
+        return f"scrubbed {scrubbed} of {total} bytes"
+    if scrubbed + reserved + unreachable < total:
+        return f"accounts for {scrubbed + reserved + unreachable} of its {total} bytes"
+    bound = min(int(max_unreachable_fraction * max(total - reserved, 0)), max_unreachable_bytes)
+    if unreachable > bound:
+        return f"left {unreachable} bytes unreached, more than the {bound} the policy allows"
+    return None
+
+
 def check_claim_attestation(
     token: str,
     claim: Mapping[str, Any],
     public_keys: Mapping[str, Ed25519PublicKey],
     required: set[tuple[str, str, str]] | None = None,
+    coverage: tuple[float, int] | None = None,
 ) -> dict[str, Any]:
     """Verifies `token` for `claim`: signature, claim UID, and every device in `required` (default: the
-    claim's own, see `claimed_devices`) verified clean. Returns the payload; raises AttestationError naming
-    what does not hold."""
+    claim's own, see `claimed_devices`) verified clean; with `coverage` (the share and the bytes of a device's
+    usable memory that may stay unreached), with figures that show it scrubbed. Returns the payload; raises
+    AttestationError naming what does not hold."""
     payload = verify(token, public_keys)
     metadata = as_dict(claim.get("metadata"))
     attested_claim = as_dict(payload.get("claim"))
@@ -229,6 +256,14 @@ def check_claim_attestation(
     missing = sorted("/".join(k) for k in required - clean)
     if missing:
         raise AttestationError(f"attestation does not cover the claim's devices: {', '.join(missing)}")
+    if coverage is not None:
+        thin = sorted(
+            f"{'/'.join(device_key(d))} {problem}"
+            for d in attested
+            if device_key(d) in required and (problem := coverage_problem(d, *coverage))
+        )
+        if thin:
+            raise AttestationError(f"attestation does not show a full scrub: {'; '.join(thin)}")
     # A pod that used the claim after the attested scrub (a named claim used again) left data it does not cover.
     attested_pods = {as_dict(c).get("uid") for c in as_list(payload.get("consumers"))}
     later = sorted(f"{name} ({uid})" for name, uid in reserved_pods(claim) if uid not in attested_pods)

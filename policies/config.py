@@ -69,6 +69,15 @@ class Scheduler(_Model):
     identities: tuple[str, ...] = ("system:kube-scheduler",)
 
 
+class ScrubCoverage(_Model):
+    """What an attestation must show of each GPU's memory before SG007 takes the device as clean: every byte
+    accounted for (scrubbed, the driver's reserve, or unreached) and at most this much unreached (the scrub's
+    own CUDA context), as a share of the usable memory and in bytes, whichever is less (the agent's defaults)."""
+
+    max_unreachable_percent: float = Field(2.0, alias="maxUnreachablePercent", ge=0, le=100)
+    max_unreachable_bytes: int = Field(1 << 30, alias="maxUnreachableBytes", ge=0)
+
+
 class AttestationKey(_Model):
     kid: str = Field(min_length=1)
     public_key: str = Field(alias="publicKey")
@@ -87,9 +96,17 @@ class PolicyConfig(_Model):
         ("gpu.nvidia.com", "mig.nvidia.com", "*.gpu.nvidia.com"), alias="gpuDeviceClasses"
     )
     # Classes that are never in scope, whatever gpuDeviceClasses matches: devices no agent scrubs (IMEX channels
-    # of ComputeDomains, a GPU bound to vfio-pci). A guard on them would never be lifted.
+    # of ComputeDomains, a GPU bound to vfio-pci). A guard on them would never be lifted. Exact names: a glob
+    # would also take out of scope every GPU class that happens to match it.
     exclude_device_classes: tuple[str, ...] = Field(
-        ("compute-domain-*.nvidia.com", "imex.nvidia.com", "vfio.gpu.nvidia.com"), alias="excludeDeviceClasses"
+        (
+            "compute-domain-daemon.nvidia.com",
+            "compute-domain-default-channel.nvidia.com",
+            "imex.nvidia.com",
+            "vfio.gpu.nvidia.com",
+        ),
+        alias="excludeDeviceClasses",
+        json_schema_extra={"items": {"type": "string", "pattern": r"^[^*?\[]+$"}},  # helm install refuses globs too
     )
     # Drivers whose allocated devices the agent scrubs: a claim holding one is a GPU claim whatever its class.
     gpu_drivers: tuple[str, ...] = Field(("gpu.nvidia.com",), alias="gpuDrivers")
@@ -105,8 +122,21 @@ class PolicyConfig(_Model):
     scheduler: Scheduler = Scheduler()
     admin_groups: tuple[str, ...] = Field(("system:masters",), alias="adminGroups")
     attestation_keys: tuple[AttestationKey, ...] = Field((), alias="attestationKeys")
+    scrub_coverage: ScrubCoverage = Field(ScrubCoverage(), alias="scrubCoverage")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, ignored_types=(cached_property,))
+
+    @field_validator("exclude_device_classes")
+    @classmethod
+    def _exact_names(cls, excluded: tuple[str, ...]) -> tuple[str, ...]:
+        globs = [name for name in excluded if any(c in name for c in "*?[")]
+        if globs:
+            raise ValueError(
+                f"{', '.join(map(repr, globs))}: a glob; name each excluded class exactly (`kubectl get "
+                "deviceclasses`), since an exclusion takes every class it matches out of the scrub guard, GPU "
+                "classes that happen to match it included"
+            )
+        return excluded
 
     @field_validator("rules")
     @classmethod
@@ -142,7 +172,7 @@ class PolicyConfig(_Model):
         return known
 
     def is_excluded_class(self, device_class: str) -> bool:
-        return _matches(device_class, self.exclude_device_classes)
+        return device_class in self.exclude_device_classes
 
     def is_gpu_extended_resource(self, name: str) -> bool:
         """An extended resource name (KEP-5004) whose claim holds GPUs: one of gpuExtendedResources, or the

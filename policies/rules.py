@@ -422,7 +422,9 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
         return f"without a {names.ANNOTATION_ATTESTATION} annotation"
     try:
         required = _required_devices(old, policy) | _required_devices(claim, policy)
-        check_claim_attestation(token, claim, policy.public_keys, required)
+        coverage = policy.scrub_coverage
+        limits = (coverage.max_unreachable_percent / 100, coverage.max_unreachable_bytes)
+        check_claim_attestation(token, claim, policy.public_keys, required, limits)
     except AttestationError as exc:
         return f"with an attestation that does not hold: {exc}"
     return None

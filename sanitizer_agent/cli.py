@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="nvml: share of a device's usable memory the scrub may leave unreached (its own CUDA context) and "
         "still verify (default 0.02)",
     )
+    parser.add_argument(
+        "--max-unreachable-bytes",
+        type=int,
+        default=1 << 30,
+        help="nvml: and at most this many bytes (default 1 GiB; the policy's scrubCoverage refuses more)",
+    )
     parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="the agent's checkpoint file (hostPath)")
     parser.add_argument("--signing-key", default=DEFAULT_SIGNING_KEY, help="Ed25519 private key (PEM) for attestations")
     parser.add_argument("--key-id", default=DEFAULT_KEY_ID, help="key id in the attestation header (the policy's kid)")
@@ -200,6 +206,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             if args.gpu_backend == "simulated"
             else {
                 "max_unreachable_fraction": args.max_unreachable,
+                "max_unreachable_bytes": args.max_unreachable_bytes,
                 # Beside the checkpoint: the ECC baselines of allocations made before a restart.
                 "ecc_history_path": Path(args.checkpoint).with_name("ecc-history.json"),
             }

@@ -388,7 +388,17 @@ def test_the_default_coverage_bound_is_two_percent(node, open_nvml):
     node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB}}  # 3.5 MiB: 2.7%, beyond
     node.save()
     result = backend.scrub(gpu["uuid"])
-    assert not result.verified and "more than the 2.0% allowed" in result.reason
+    assert not result.verified and "(2.0% and at most 1073741824 bytes)" in result.reason
+
+
+def test_unreached_memory_is_bounded_in_bytes_too(node, open_nvml):
+    """On a large GPU a share allows gigabytes: the bound in bytes (the policy's scrubCoverage) caps it."""
+    gpu = node.add_gpu(memory=128 * MiB, contextBytes=256 << 10)
+    node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB}}  # 3.5 MiB of 128: within the fake's 10%
+    node.save()
+    assert open_nvml().scrub(gpu["uuid"]).verified
+    result = open_nvml(max_unreachable_bytes=2 * MiB).scrub(gpu["uuid"])
+    assert not result.verified and f"more than the {2 * MiB} allowed" in result.reason
 
 
 def test_unreached_memory_with_scrub_on_free_off_fails_closed(node, open_nvml, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import build_payload, public_key_pem, sign
-from scrubgate.policies.config import parse_policy
+from scrubgate.policies.config import ScrubCoverage, parse_policy
 from scrubgate.policies.engine import Admission, validate
 
 AGENT = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
@@ -63,7 +63,7 @@ def allocated_claim(devices=DEVICES, annotate=True) -> dict:
     }
 
 
-def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID) -> str:
+def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID, **figures: int) -> str:
     now = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
     payload = build_payload(
         namespace="team-a",
@@ -77,6 +77,7 @@ def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID) -> str
                 "bytesTotal": 80 << 30,
                 "method": names.ATTESTATION_METHOD,
                 "verified": verified,
+                **figures,
             }
             for d in devices
         ],
@@ -113,6 +114,42 @@ def verdict(findings):
 def test_agent_with_a_valid_attestation_may_remove_the_finalizer(key, keyed_policy):
     old = allocated_claim()
     assert update(released(old, attestation(key)), old, keyed_policy) == []
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("figures", "problem"),
+    [
+        ({"bytesScrubbed": 0}, "scrubbed 0 of 85899345920 bytes"),
+        ({"bytesScrubbed": 40 * GiB}, f"accounts for {40 * GiB} of its {80 * GiB} bytes"),
+        ({"bytesScrubbed": 78 * GiB, "bytesUnreachable": 2 * GiB}, f"left {2 * GiB} bytes unreached, more than"),
+        # 2% of a small slice's usable memory is the tighter bound there
+        (
+            {"bytesTotal": 10 * GiB, "bytesScrubbed": 9 * GiB, "bytesReserved": GiB // 2, "bytesUnreachable": GiB // 2},
+            "left 536870912 bytes unreached, more than the 204010946",
+        ),
+        ({"bytesTotal": "80Gi"}, "states no byte count for bytesTotal"),
+    ],
+)
+def test_an_attestation_that_does_not_show_a_full_scrub_is_refused(key, keyed_policy, figures, problem):
+    """Verified with 0 of 80 GiB scrubbed, or with more unreached than the policy allows, is no scrub."""
+    old = allocated_claim()
+    findings = update(released(old, attestation(key, **figures)), old, keyed_policy)
+    assert verdict(findings) == [("SG007", "deny")]
+    assert "does not show a full scrub" in findings[0].message and problem in findings[0].message
+
+
+def test_the_unreached_memory_the_policy_allows_is_its_own_setting(key, keyed_policy):
+    old = allocated_claim()
+    within = attestation(key, bytesScrubbed=80 * GiB - 512 * 1024 * 1024, bytesUnreachable=512 * 1024 * 1024)
+    assert update(released(old, within), old, keyed_policy) == []
+    over = attestation(key, bytesScrubbed=78 * GiB, bytesUnreachable=2 * GiB)
+    looser = keyed_policy.model_copy(
+        update={"scrub_coverage": ScrubCoverage(maxUnreachablePercent=3, maxUnreachableBytes=4 * GiB)}
+    )
+    assert update(released(old, over), old, looser) == []
 
 
 def test_agent_release_after_the_allocation_was_cleared_is_checked_against_the_devices_annotation(key, keyed_policy):

@@ -16,7 +16,12 @@ def test_default_policy_loads_with_the_documented_values():
     policy = load_policy()
     assert policy == load_policy(DEFAULT_POLICY_PATH)
     assert policy.gpu_device_classes == ("gpu.nvidia.com", "mig.nvidia.com", "*.gpu.nvidia.com")
-    assert policy.exclude_device_classes == ("compute-domain-*.nvidia.com", "imex.nvidia.com", "vfio.gpu.nvidia.com")
+    assert policy.exclude_device_classes == (
+        "compute-domain-daemon.nvidia.com",
+        "compute-domain-default-channel.nvidia.com",
+        "imex.nvidia.com",
+        "vfio.gpu.nvidia.com",
+    )
     assert policy.gpu_drivers == ("gpu.nvidia.com",)
     assert policy.gpu_extended_resources == ("nvidia.com/gpu", "nvidia.com/mig-*")
     assert (policy.grace_period.minimum_seconds, policy.grace_period.default_seconds) == (30, 60)
@@ -215,3 +220,13 @@ def test_trusted_namespaces_and_agent_identities_from_the_file(tmp_path):
     assert policy.tenancy.label == "example.com/tenancy"
     assert policy.agent.identities == ("system:serviceaccount:gpu:agent",)
     assert policy.admin_groups == ("gpu-oncall",)
+
+
+def test_an_excluded_class_is_named_exactly_so_that_no_gpu_class_matching_a_glob_drops_out_of_scope():
+    """A GPU class whose name happens to look like an excluded family (here, a model class named after the
+    ComputeDomain it serves) stays a GPU class; a glob in excludeDeviceClasses is refused, naming it."""
+    policy = load_policy()
+    assert policy.is_gpu_class("compute-domain-h100.gpu.nvidia.com")
+    assert not policy.is_gpu_class("vfio.gpu.nvidia.com")
+    with pytest.raises(PolicyError, match=r"excludeDeviceClasses: .*'compute-domain-\*\.nvidia\.com': a glob"):
+        parse_policy({"excludeDeviceClasses": ["compute-domain-*.nvidia.com"]})

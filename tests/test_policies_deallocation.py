@@ -365,6 +365,13 @@ def test_claims_no_agent_scrubs_are_never_held(device_class, device):
     assert [f.rule for f in _finalizer_removed(old)] == ["SG007"]
 
 
+def test_a_gpu_allocated_through_a_class_named_like_an_excluded_family_is_guarded():
+    """Exclusions name classes exactly: a GPU model class named after the ComputeDomain it serves is no IMEX
+    channel class, and its gpu.nvidia.com device keeps its allocation until the attestation."""
+    old = allocated(device_class="compute-domain-h100.gpu.nvidia.com", recorded=False)
+    assert_denied(status_update(old, deallocated(old)), f"without a {names.ANNOTATION_ATTESTATION} annotation")
+
+
 def test_an_excluded_class_in_one_request_leaves_the_gpu_of_another_guarded():
     old = allocated(device_class="vfio.gpu.nvidia.com", recorded=False)
     old["spec"]["devices"]["requests"].append({"name": "compute", "exactly": {"deviceClassName": "gpu.nvidia.com"}})

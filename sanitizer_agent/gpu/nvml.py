@@ -40,8 +40,10 @@ SCRUB_SCRIPT = Path(cuda_scrub.__file__)
 # What scrub() reads from cuda_scrub.py's report.
 _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
 # The scrub's own CUDA context and the allocator's granularity stay out of reach: about 0.3-0.5 GiB of a
-# 141 GB GPU; more than this share of the usable memory unreached fails the scrub.
+# 141 GB GPU; more than this share of the usable memory unreached, or more than this many bytes (the
+# policy's scrubCoverage, whose defaults these are), fails the scrub.
 DEFAULT_MAX_UNREACHABLE = 0.02
+DEFAULT_MAX_UNREACHABLE_BYTES = 1 << 30
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
@@ -69,6 +71,7 @@ class NvmlBackend:
         min_chunk_bytes: int = cuda_scrub.DEFAULT_MIN_CHUNK_BYTES,
         margin_bytes: int = cuda_scrub.DEFAULT_MARGIN_BYTES,
         max_unreachable_fraction: float = DEFAULT_MAX_UNREACHABLE,
+        max_unreachable_bytes: int = DEFAULT_MAX_UNREACHABLE_BYTES,
         watch_xids: bool = True,
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
@@ -87,6 +90,7 @@ class NvmlBackend:
         # Memory the scrub could not allocate (its own CUDA context, allocator granularity, the driver's
         # own) beyond this share of the usable memory means the scrub cannot vouch for the device.
         self.max_unreachable_fraction = max_unreachable_fraction
+        self.max_unreachable_bytes = max_unreachable_bytes
         self.python = python
         self.child_env = dict(child_env or {})
         self.params_path = params_path
@@ -371,11 +375,13 @@ class NvmlBackend:
             )
             return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         unreachable = max(usable - scrubbed, 0)
-        if scrubbed <= 0 or unreachable > self.max_unreachable_fraction * usable:
+        allowed = min(int(self.max_unreachable_fraction * usable), self.max_unreachable_bytes)
+        if scrubbed <= 0 or unreachable > allowed:
             reason = (
                 f"scrub of {uuid} reached only {scrubbed} of {usable} usable bytes; {unreachable} could not "
-                f"be allocated (held by another process or the driver), more than the "
-                f"{self.max_unreachable_fraction:.1%} allowed, so they are unverified"
+                f"be allocated (held by another process or the driver), more than the {allowed} allowed "
+                f"({self.max_unreachable_fraction:.1%} and at most {self.max_unreachable_bytes} bytes), so they "
+                "are unverified"
             )
             return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         if unreachable and self.scrub_on_free_disabled():
