@@ -162,6 +162,21 @@ def canary_found(pod: dict) -> bool | None:
     return None
 
 
+def grant(cluster: Cluster, user: str, name: str, rules: list[dict]) -> None:
+    """A ClusterRole with `rules`, bound to `user` (an operator role given too widely)."""
+    rbac = "rbac.authorization.k8s.io"
+    cluster.apply({"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules})
+    cluster.apply(
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name},
+            "subjects": [{"apiGroup": rbac, "kind": "User", "name": cluster.users[user].name}],
+        }
+    )
+
+
 def expect_denied(call: Callable[[], object], rule: str) -> str:
     """Runs a request that the webhook must deny under ``rule``; returns the API server's message."""
     status, message = denial(call)

@@ -16,6 +16,7 @@ from e2e_support import (
     assert_invariant,
     create_template,
     expect_denied,
+    grant,
     running_claim,
     tenant_namespace,
     tenant_pod,
@@ -62,19 +63,8 @@ def fence_deletions(cluster: Cluster, decision: str) -> float:
 
 def grant_taint_rule_deletion(cluster: Cluster, user: str) -> None:
     """RBAC that lets ``user`` delete any DeviceTaintRule (an operator role given too widely)."""
-    rbac = "rbac.authorization.k8s.io"
-    name = f"devicetaintrule-deleter-{user}"
     rules = [{"apiGroups": ["resource.k8s.io"], "resources": ["devicetaintrules"], "verbs": ["get", "list", "delete"]}]
-    cluster.apply({"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules})
-    cluster.apply(
-        {
-            "apiVersion": f"{rbac}/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name},
-            "subjects": [{"apiGroup": rbac, "kind": "User", "name": cluster.users[user].name}],
-        }
-    )
+    grant(cluster, user, f"devicetaintrule-deleter-{user}", rules)
 
 
 def test_a_user_cannot_lift_the_agents_fence_but_the_agent_does(cluster: Cluster) -> None:

@@ -195,7 +195,7 @@ def test_validating_rules(docs: list[Doc]):
 def test_cluster_scoped_webhook(docs: list[Doc]):
     """One webhook of its own takes the cluster-scoped kinds, untouched by the replacements that fill in the
     tenancy webhooks' rules: scrubgate's fences (SG007; CREATE is not sent, a new fence only fences more),
-    DeviceClasses (SG009) and Namespaces (SG010)."""
+    DeviceClasses (SG009) and Namespaces (SG010), through their status and finalize subresources too."""
     (hook,) = one(docs, "ValidatingWebhookConfiguration", "scrubgate-fences")["webhooks"]
     assert hook["name"] == "validate-fences.scrubgate.dev"
     assert hook["clientConfig"]["service"]["path"] == "/validate"
@@ -203,6 +203,8 @@ def test_cluster_scoped_webhook(docs: list[Doc]):
         *((names.RESOURCE_GROUP, "*", "devicetaintrules", op) for op in ("UPDATE", "DELETE")),
         *((names.RESOURCE_GROUP, "*", "deviceclasses", op) for op in ("CREATE", "UPDATE")),  # every DRA version
         *(("", "v1", "namespaces", op) for op in ("CREATE", "UPDATE")),
+        ("", "v1", "namespaces/status", "UPDATE"),
+        ("", "v1", "namespaces/finalize", "UPDATE"),
     }
     assert cluster_scoped(hook)
     assert hook["matchConditions"] == by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
