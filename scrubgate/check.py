@@ -11,7 +11,7 @@ from scrubgate.policies.config import PolicyConfig
 from scrubgate.policies.engine import shared_claims, validate
 
 from .reading import CheckedObject, namespace_of, read_all, trusted_namespaces
-from .sources import Document, InputError, expand_paths
+from .sources import STDIN, STDIN_NAME, Document, InputError, expand_paths
 
 __all__ = ["CheckResult", "CheckedObject", "check_documents", "run_check"]
 
@@ -21,6 +21,7 @@ class CheckResult:
     files: int = 0
     objects: list[CheckedObject] = field(default_factory=list)
     errors: list[InputError] = field(default_factory=list)
+    templates: list[str] = field(default_factory=list)  # Helm chart templates left out (see expand_paths)
 
     def count(self, action: str) -> int:
         return sum(1 for o in self.objects for f in o.findings if f.action == action)
@@ -75,18 +76,38 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None = None) -> CheckResult:
+def run_check(
+    paths: list[str],
+    policy: PolicyConfig,
+    overrides: Mapping[str, bool] | None = None,
+    exclude: tuple[str, ...] = (),
+) -> CheckResult:
     with _no_cyclic_gc():
-        return _run_check(paths, policy, overrides)
+        return _run_check(paths, policy, overrides, exclude)
 
 
-def _run_check(paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None) -> CheckResult:
+def _run_check(
+    paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None, exclude: tuple[str, ...]
+) -> CheckResult:
     result = CheckResult()
-    files, result.errors = expand_paths(paths)
+    expanded = expand_paths(paths, exclude)
+    result.errors, result.templates = expanded.errors, expanded.templates
     checked: list[CheckedObject] = []
-    for part in read_all(files, policy, overrides or {}):
+    for part in read_all(expanded.files, policy, overrides or {}):
         result.files += part.files
         result.errors += part.errors
         checked += part.checked
     result.objects = check_documents([c.document for c in checked], policy, overrides, checked)
+    piped = STDIN in expanded.files
+    if piped and not any(o.document.file == STDIN_NAME for o in result.objects) and not result.errors:
+        # In `helm template ... | scrubgate check -`, a command that failed writes nothing: passing would
+        # hide that nothing was checked.
+        result.errors.append(
+            InputError(
+                STDIN_NAME,
+                None,
+                "no Kubernetes object on standard input: did the command that renders the manifests (helm "
+                "template, kustomize build) fail? Its own error is above",
+            )
+        )
     return result

@@ -29,6 +29,14 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="*", default=["-"], metavar="PATH", help="files, directories, or - for stdin")
     p.add_argument("--policy", help="policy file (default: the shipped policies/default.yaml)")
     p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="directories not to walk into, by name or path (repeatable; .git, .venv, venv, node_modules and "
+        "other tool directories are never walked)",
+    )
     p.add_argument("--fix", action="store_true", help="print the documents with the mechanical fixes applied")
     p.add_argument("--in-place", action="store_true", help="with --fix: rewrite the files instead of printing")
     p.add_argument(
@@ -85,7 +93,13 @@ def run_check_command(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"scrubgate check: note: {note}", file=sys.stderr)
     else:
-        result = run_check(args.paths, policy, dict(args.namespace_tenancy))
+        result = run_check(args.paths, policy, dict(args.namespace_tenancy), tuple(args.exclude))
+        if result.templates:
+            print(
+                f"scrubgate check: note: left out Helm chart templates ({', '.join(result.templates)}): they are Go "
+                "templates, not manifests; check what they render: helm template CHART | scrubgate check -",
+                file=sys.stderr,
+            )
     report = build_report(result)
     out = sys.stdout
     if args.fix:
@@ -113,7 +127,11 @@ def run_check_command(args: argparse.Namespace) -> int:
     else:
         color = out.isatty() and "NO_COLOR" not in os.environ
         rendered = render_text(report, color)
-    print(rendered, file=out)
+    try:
+        print(rendered, file=out)
+        out.flush()
+    except BrokenPipeError:  # `scrubgate check ... | head`: the reader has what it wanted; the verdict stands
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     return result.exit_code
 
 

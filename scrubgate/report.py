@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import PurePath
 from typing import Any
+from urllib.parse import quote
 from xml.etree import ElementTree
 
 from pydantic import BaseModel
@@ -136,6 +138,13 @@ def render_text(report: Report, color: bool) -> str:
     return "\n".join(lines)
 
 
+def artifact_uri(name: str) -> str:
+    """A file name as SARIF's artifactLocation.uri wants it, a valid URI reference: a relative path with `/`
+    separators, percent-encoded (spaces, `<stdin>`), or a file: URI for an absolute path."""
+    path = PurePath(name)
+    return path.as_uri() if path.is_absolute() else quote(path.as_posix())
+
+
 def render_sarif(report: Report) -> str:
     rule_ids = list(RULES)
     rules = [
@@ -159,7 +168,7 @@ def render_sarif(report: Report) -> str:
             "locations": [
                 {
                     "physicalLocation": {
-                        "artifactLocation": {"uri": f.location.file},
+                        "artifactLocation": {"uri": artifact_uri(f.location.file)},
                         "region": {"startLine": f.location.line},
                     }
                 }
@@ -175,7 +184,7 @@ def render_sarif(report: Report) -> str:
             "locations": [
                 {
                     "physicalLocation": {
-                        "artifactLocation": {"uri": e.file},
+                        "artifactLocation": {"uri": artifact_uri(e.file)},
                         **({"region": {"startLine": e.line}} if e.line else {}),
                     }
                 }

@@ -246,3 +246,109 @@ def test_console_script_as_a_process(repo_root):
     )
     assert piped.returncode == 1
     assert "<stdin>" in piped.stdout and "SG006" in piped.stdout and "Traceback" not in piped.stderr
+
+
+# --- in pipelines and pre-commit -----------------------------------------------------------------------------
+
+CLAIM = """apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata:
+  name: inspector
+  namespace: team-a
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: gpu.nvidia.com
+        adminAccess: true
+"""
+
+
+def test_a_pipe_that_brought_nothing_fails(repo_root):
+    """`helm template ... | scrubgate check -` where helm failed: nothing on stdin is no pass."""
+    script = Path(sys.executable).with_name("scrubgate")
+    for text in ("", "# helm wrote nothing but this\n"):
+        done = subprocess.run([str(script), "check", "-"], input=text, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stdout
+        assert "no Kubernetes object on standard input" in done.stdout
+
+
+def test_a_walk_leaves_tool_directories_and_what_exclude_names_alone(run_cli, tmp_path, monkeypatch):
+    for where in (".venv/lib/site-packages/x", "node_modules/pkg", ".git/refs", "vendor/chart", "deploy"):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "claim.yaml").write_text(CLAIM)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli("check", "--format", "json", ".")
+    assert code == 1
+    assert sorted(f["location"]["file"] for f in json.loads(out)["findings"] if f["rule"]["id"] == "SG006") == [
+        "deploy/claim.yaml",
+        "vendor/chart/claim.yaml",
+    ]
+    code, out, _ = run_cli("check", "--format", "json", "--exclude", "vendor", ".")
+    assert [f["location"]["file"] for f in json.loads(out)["findings"] if f["rule"]["id"] == "SG006"] == [
+        "deploy/claim.yaml"
+    ]
+    code, out, _ = run_cli("check", "--format", "json", "--exclude", "./deploy", ".")
+    assert [f["location"]["file"] for f in json.loads(out)["findings"] if f["rule"]["id"] == "SG006"] == [
+        "vendor/chart/claim.yaml"
+    ]
+
+
+def test_helm_chart_templates_are_left_out_with_a_note(run_cli, tmp_path, monkeypatch):
+    """pre-commit passes every changed YAML file, a chart's Go templates among them: they are no manifests."""
+    chart = tmp_path / "charts" / "app"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: app\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("replicas: 1\n")
+    (chart / "templates" / "pod.yaml").write_text("apiVersion: v1\nkind: Pod\nmetadata:\n  name: {{ .Release.Name }}\n")
+    (tmp_path / "templates").mkdir()  # not a chart's: checked
+    (tmp_path / "templates" / "claim.yaml").write_text(CLAIM)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("check", "charts/app/templates/pod.yaml", "charts/app/values.yaml")
+    assert code == 0, out
+    assert "left out Helm chart templates (charts/app/templates/pod.yaml)" in err
+    code, out, err = run_cli("check", "--format", "json", ".")
+    assert code == 1 and "left out Helm chart templates (charts/app/templates)" in err
+    assert {f["location"]["file"] for f in json.loads(out)["findings"]} == {"templates/claim.yaml"}
+
+
+def test_list_shaped_yaml_is_no_error_and_objects_in_a_list_are_checked(run_cli, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("- name: a\n  value: 1\n- name: b\n")
+    assert run_cli("check", str(config))[0] == 0
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("- " + CLAIM.replace("\n", "\n  ").rstrip() + "\n- just: config\n")
+    code, out, _ = run_cli("check", "--format", "json", str(listed))
+    assert code == 1
+    assert sorted((f["rule"]["id"], f["location"]["line"]) for f in json.loads(out)["findings"]) == [
+        ("SG004", 3),
+        ("SG006", 12),
+    ]
+
+
+def test_sarif_locations_are_valid_uri_references(run_cli, tmp_path, monkeypatch):
+    (tmp_path / "with space").mkdir()
+    (tmp_path / "with space" / "claim.yaml").write_text(CLAIM)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(CLAIM.encode())))
+    _, out, _ = run_cli("check", "--format", "sarif", "with space/claim.yaml", "-", str(tmp_path / "with space"))
+    uris = {
+        location["physicalLocation"]["artifactLocation"]["uri"]
+        for result in json.loads(out)["runs"][0]["results"]
+        for location in result["locations"]
+    }
+    assert uris == {"with%20space/claim.yaml", "%3Cstdin%3E", (tmp_path / "with space" / "claim.yaml").as_uri()}
+    assert all(" " not in uri and "<" not in uri for uri in uris)
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(repo_root):
+    script = Path(sys.executable).with_name("scrubgate")
+    done = subprocess.run(
+        f"{script} check --format sarif {DATA / 'lines.yaml'} | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr

@@ -13,6 +13,8 @@ import jsonschema
 import pytest
 from scrubgate.policies.rules_meta import RULES
 
+from scrubgate.report import artifact_uri
+
 DATA = Path(__file__).parent / "data" / "check"
 INPUTS = [str(DATA / "lines.yaml"), str(DATA / "broken.yaml"), str(DATA / "list.yaml"), str(DATA / "claims.json")]
 
@@ -74,7 +76,8 @@ def test_sarif_is_valid_2_1_0_with_one_rule_per_sg_rule(run_cli, sarif_schema):
         assert rule["shortDescription"]["text"]
     _, json_out, _ = run_cli("check", "--format", "json", *INPUTS)
     expected = sorted(
-        (f["rule"]["id"], f["location"]["file"], f["location"]["line"]) for f in json.loads(json_out)["findings"]
+        (f["rule"]["id"], artifact_uri(f["location"]["file"]), f["location"]["line"])
+        for f in json.loads(json_out)["findings"]
     )
     got = []
     for result in run["results"]:
