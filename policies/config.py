@@ -78,9 +78,16 @@ class ScrubCoverage(_Model):
     max_unreachable_bytes: int = Field(1 << 30, alias="maxUnreachableBytes", ge=0)
 
 
+ED25519_PEM_PATTERN = (
+    r"^\s*-----BEGIN PUBLIC KEY-----\s*MCowBQYDK2VwAyEA[A-Za-z0-9+/]{43}=\s*-----END PUBLIC KEY-----\s*$"
+)
+
+
 class AttestationKey(_Model):
     kid: str = Field(min_length=1)
-    public_key: str = Field(alias="publicKey")
+    # Ed25519 SubjectPublicKeyInfo PEM: its DER always starts with the same 12 bytes (MCowBQYDK2VwAyEA in
+    # base64); the pattern lets `helm install` refuse another key type or a damaged key, as the webhook does.
+    public_key: str = Field(alias="publicKey", json_schema_extra={"pattern": ED25519_PEM_PATTERN})
 
     @field_validator("public_key")
     @classmethod
@@ -117,7 +124,8 @@ class PolicyConfig(_Model):
     )
     tenancy: Tenancy = Tenancy()
     grace_period: GracePeriod = Field(GracePeriod(), alias="gracePeriod")
-    rules: dict[str, RuleSettings] = {}
+    # The chart's schema names the known ids too, so that `helm install` refuses a typo as the webhook would.
+    rules: dict[str, RuleSettings] = Field({}, json_schema_extra={"propertyNames": {"enum": list(RULES)}})
     agent: Agent = Agent()
     scheduler: Scheduler = Scheduler()
     admin_groups: tuple[str, ...] = Field(("system:masters",), alias="adminGroups")

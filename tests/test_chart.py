@@ -15,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.certs import generate as gen
 from scrubgate.policies.attestation import public_key_pem
@@ -114,11 +116,43 @@ def test_values_schema_is_the_generated_one():
         ("policy.gpuDeviceClass=x", "gpuDeviceClass"),
         ("certs.source=vault", "/certs/source"),
         ("webhook.replica=3", "replica"),
+        # what the webhook would refuse at start, with every GPU pod and claim write behind it
+        ("policy.rules.SG011.action=deny", "SG011"),
+        ("policy.excludeDeviceClasses[0]=compute-domain-*.nvidia.com", "/policy/excludeDeviceClasses/0"),
+        ("policy.attestationKeys[0].kid=k1,policy.attestationKeys[0].publicKey=not-a-key", "publicKey"),
+        ("policy.gracePeriod.minimumSeconds=7200", "minimumSeconds <= defaultSeconds <= maximumSeconds"),
     ],
 )
 def test_values_outside_the_schema_are_refused(helm: str, setting: str, complaint: str):
     result = run_helm(helm, "--set", setting)
-    assert result.returncode != 0 and complaint in result.stderr
+    assert result.returncode != 0 and complaint in result.stderr, result.stderr
+
+
+def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
+    """An ECDSA key in PEM is a public key, but not one that verifies the agent's (Ed25519) attestations."""
+    pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    (tmp_path / "key.pem").write_bytes(pem)
+    result = run_helm(
+        helm,
+        "--set",
+        "policy.attestationKeys[0].kid=k1",
+        "--set-file",
+        f"policy.attestationKeys[0].publicKey={tmp_path / 'key.pem'}",
+    )
+    assert result.returncode != 0 and "publicKey" in result.stderr, result.stderr
+    (tmp_path / "key.pem").write_text(public_key_pem(Ed25519PrivateKey.generate()))
+    result = run_helm(
+        helm,
+        "--set",
+        "policy.attestationKeys[0].kid=k1",
+        "--set-file",
+        f"policy.attestationKeys[0].publicKey={tmp_path / 'key.pem'}",
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_other_namespaces_are_refused(helm: str):
