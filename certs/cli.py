@@ -27,9 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make a CA and a serving certificate, the TLS Secret manifest, and inject the caBundle",
         description=(
             "Write ca.crt, ca.key, tls.crt, tls.key and tls-secret.yaml (Secret "
-            "scrubgate-webhook-tls, type kubernetes.io/tls) into DIR. A CA already in DIR (ca.crt and "
+            "scrubgate-webhook-tls, type kubernetes.io/tls) into DIR, and the webhook's key for signed audit "
+            "checkpoints: audit-key.pem, audit.pub (for scrubgate audit verify --public-key) and "
+            "audit-key-secret.yaml (Secret scrubgate-audit-signing-key). A CA already in DIR (ca.crt and "
             "ca.key) is reused, so running this again renews the serving certificate without changing the "
-            "caBundle. With --manifests, the caBundle goes into every webhook of the webhook "
+            "caBundle; an audit key already in DIR is reused too. With --manifests, the caBundle goes into every webhook of the webhook "
             "configurations found there: patched copies are written into DIR, or the files are patched "
             "with --in-place."
         ),
@@ -127,6 +129,9 @@ def _generate(args: argparse.Namespace) -> int:
         f"(valid until {serving.certificate.not_valid_after_utc:%Y-%m-%d})"
     )
     print(f"Secret {args.namespace}/{layout.TLS_SECRET_NAME}: {secret}")
+    audit = gen.write_audit_key(out, namespace=args.namespace)
+    print(f"{'new' if audit.new else 'reused'} audit signing key {audit.key} (public key {audit.public})")
+    print(f"Secret {args.namespace}/{layout.AUDIT_KEY_SECRET_NAME}: {audit.secret}")
     if args.manifests is not None:
         injected = inject_files(args.manifests, ca.cert_pem, None if args.in_place else out)
         _report_injected(injected)

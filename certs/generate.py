@@ -20,11 +20,17 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from scrubgate.policies import names
+from scrubgate.policies.attestation import load_private_key, public_key_pem
 
 from .files import write_atomic
 from .layout import (
+    AUDIT_KEY_FILE,
+    AUDIT_KEY_SECRET_NAME,
+    AUDIT_PUBLIC_KEY_FILE,
+    AUDIT_SECRET_MANIFEST_FILE,
     CA_CERT_FILE,
     CA_COMMON_NAME,
     CA_KEY_FILE,
@@ -270,3 +276,38 @@ def _general_name(san: str) -> x509.GeneralName:
 def _check_days(days: int) -> None:
     if days < 1:
         raise ValueError(f"validity must be at least 1 day, got {days}")
+
+
+@dataclass(frozen=True)
+class AuditKeyFiles:
+    key: Path  # the private key, reused by the next run
+    public: Path  # for `scrubgate audit verify --public-key`
+    secret: Path  # the Secret manifest the webhook Deployment mounts
+    new: bool
+
+
+def write_audit_key(directory: Path, *, namespace: str = names.SYSTEM_NAMESPACE) -> AuditKeyFiles:
+    """The webhook's Ed25519 key for signed audit checkpoints in `directory` (PKCS#8 PEM), made there if absent,
+    with its public key and Secret manifest. Reused, like the CA: checkpoints signed so far keep verifying."""
+    path = directory / AUDIT_KEY_FILE
+    new = not path.exists()
+    if new:
+        pem = Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        write_atomic(path, pem, 0o600)
+    else:
+        pem = path.read_bytes()
+    public = write_atomic(directory / AUDIT_PUBLIC_KEY_FILE, public_key_pem(load_private_key(pem)).encode(), 0o644)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": AUDIT_KEY_SECRET_NAME,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "scrubgate", "app.kubernetes.io/component": "webhook"},
+        },
+        "type": "Opaque",
+        "data": {"ed25519.pem": _b64(pem)},
+    }
+    return AuditKeyFiles(path, public, write_secret_manifest(directory / AUDIT_SECRET_MANIFEST_FILE, secret), new)

@@ -12,6 +12,12 @@ CA_KEY_FILE: Final = "ca.key"
 TLS_CERT_FILE: Final = "tls.crt"
 TLS_KEY_FILE: Final = "tls.key"
 SECRET_MANIFEST_FILE: Final = "tls-secret.yaml"
+# The webhook's own key for signed audit checkpoints: the Secret its Deployment mounts, the private key kept
+# beside the CA (reused by the next run), and the public key `scrubgate audit verify --public-key` takes.
+AUDIT_KEY_SECRET_NAME: Final = "scrubgate-audit-signing-key"
+AUDIT_KEY_FILE: Final = "audit-key.pem"
+AUDIT_PUBLIC_KEY_FILE: Final = "audit.pub"
+AUDIT_SECRET_MANIFEST_FILE: Final = "audit-key-secret.yaml"
 
 DEFAULT_CA_DAYS: Final = 3650
 DEFAULT_SERVING_DAYS: Final = 365

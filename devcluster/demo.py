@@ -387,6 +387,7 @@ class Demo:
         expect(
             result.returncode == 0, f"scrubgate audit verify exited {result.returncode}: {result.stdout}{result.stderr}"
         )
+        expect("signed checkpoint(s) match" in result.stdout, f"no signed checkpoint verified: {result.stdout}")
         early = [r for r in denied if r.get("subResource") == "status"]
         return [
             f"{c.paths.audit_log}: {len(denied)} denial(s), rules {', '.join(rules)}; {len(early)} of them the "
@@ -415,7 +416,10 @@ def play(cluster: Cluster, story: Story) -> None:
         if not story.step(title, run):
             break  # later lifecycle steps build on this one
     demo.rejections()
-    story.step("every rejection is in the audit log, and its hash chain verifies", demo.audit_verified)
+    story.step(
+        "every rejection is in the audit log, its hash chain and the signed checkpoints on the webhook's stdout verify",
+        demo.audit_verified,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

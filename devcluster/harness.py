@@ -49,8 +49,16 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
-from scrubgate.certs.generate import generate_ca, issue_serving_cert, rotate_serving_cert, service_sans, write_tls_dir
+from scrubgate.certs.generate import (
+    generate_ca,
+    issue_serving_cert,
+    rotate_serving_cert,
+    service_sans,
+    write_audit_key,
+    write_tls_dir,
+)
 from scrubgate.certs.inject import inject_ca_bundle, is_webhook_configuration
+from scrubgate.certs.layout import AUDIT_KEY_FILE, AUDIT_PUBLIC_KEY_FILE
 from scrubgate.policies import names
 from scrubgate.policies.attestation import public_key_pem
 from scrubgate.policies.config import DEFAULT_POLICY_PATH, parse_policy
@@ -533,6 +541,7 @@ class Cluster:
             simulated.create_inventory(node.gpu_dir, **self._inventory)
         ca = generate_ca()
         write_tls_dir(p.certs, ca, issue_serving_cert(ca, [*service_sans(), "127.0.0.1"]))
+        write_audit_key(p.certs)  # as `scrubgate certs generate` makes it for the base's Deployment
         p.signing_key.write_bytes(
             self._signing_key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -757,6 +766,10 @@ class Cluster:
             "--tls-key": p.certs / "tls.key",
             "--policy": p.policy,
             "--audit-log": p.audit_log,
+            # Signed checkpoints of the chain head on stdout, as the base's Deployment writes them; every
+            # second here, so that `verify_audit` checks the file against checkpoints of most of it.
+            "--audit-signing-key": p.certs / AUDIT_KEY_FILE,
+            "--audit-checkpoint-interval": 1,
             "--client-ca": p.client_ca,  # as the base's Deployment: only the API server may ask
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
@@ -1015,9 +1028,16 @@ class Cluster:
         ]
 
     def verify_audit(self) -> subprocess.CompletedProcess[str]:
-        """`scrubgate audit verify` over the audit log, as an operator would run it."""
+        """`scrubgate audit verify` over the audit log and against the signed checkpoints in the webhook's
+        stdout, as an operator would run it."""
+        checkpoints = [
+            "--checkpoints",
+            str(self.webhook.log_path),
+            "--public-key",
+            str(self.paths.certs / AUDIT_PUBLIC_KEY_FILE),
+        ]
         return subprocess.run(
-            [sys.executable, "-m", "scrubgate.cli", "audit", "verify", str(self.paths.audit_log)],
+            [sys.executable, "-m", "scrubgate.cli", "audit", "verify", str(self.paths.audit_log), *checkpoints],
             capture_output=True,
             text=True,
             timeout=60,

@@ -14,6 +14,7 @@ import yaml
 from scrubgate.certs import generate as gen
 from scrubgate.certs.cli import add_arguments, run
 from scrubgate.certs.inject import count_webhooks
+from scrubgate.policies.attestation import load_private_key, public_key_pem
 
 REPO = Path(__file__).resolve().parents[1]
 WEBHOOK_CONFIGURATIONS = REPO / "manifests" / "webhook-configurations.yaml"
@@ -35,6 +36,7 @@ def test_generate_writes_certs_secret_and_patched_copies(tmp_path: Path, capsys:
     original = WEBHOOK_CONFIGURATIONS.read_text()
     assert certs("generate", "--out", str(out), "--manifests", str(WEBHOOK_CONFIGURATIONS)) == 0
     assert sorted(p.name for p in out.iterdir()) == [
+        "audit-key-secret.yaml", "audit-key.pem", "audit.pub",
         "ca.crt", "ca.key", "tls-secret.yaml", "tls.crt", "tls.key", "webhook-configurations.yaml",
     ]  # fmt: skip
     assert WEBHOOK_CONFIGURATIONS.read_text() == original
@@ -44,6 +46,24 @@ def test_generate_writes_certs_secret_and_patched_copies(tmp_path: Path, capsys:
     secret = yaml.safe_load((out / "tls-secret.yaml").read_text())
     assert base64.b64decode(secret["data"]["tls.crt"]) == (out / "tls.crt").read_bytes()
     assert "new CA" in capsys.readouterr().out
+
+
+def test_generate_makes_the_webhooks_audit_key_once(tmp_path: Path):
+    """The key that signs audit checkpoints (the Deployment mounts its Secret): made once, then reused, so
+    checkpoints signed so far keep verifying with the public key given to `scrubgate audit verify`."""
+    assert certs("generate", "--out", str(tmp_path)) == 0
+    pem = (tmp_path / "audit-key.pem").read_bytes()
+    key = load_private_key(pem)
+    assert (tmp_path / "audit.pub").read_text() == public_key_pem(key)
+    assert (tmp_path / "audit-key.pem").stat().st_mode & 0o077 == 0
+    secret = yaml.safe_load((tmp_path / "audit-key-secret.yaml").read_text())
+    assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == (
+        "scrubgate-audit-signing-key",
+        "scrubgate-system",
+    )
+    assert base64.b64decode(secret["data"]["ed25519.pem"]) == pem
+    assert certs("generate", "--out", str(tmp_path), "--new-ca") == 0
+    assert (tmp_path / "audit-key.pem").read_bytes() == pem
 
 
 def test_generate_again_reuses_the_ca_and_renews_the_serving_cert(tmp_path: Path):

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.certs import generate as gen
-from scrubgate.policies.attestation import public_key_pem
+from scrubgate.policies.attestation import load_private_key, public_key_pem
 from scrubgate.policies.config import PolicyConfig, load_policy
 from test_manifests import kustomize
 
@@ -254,9 +254,23 @@ def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
     assert bundles == {secret["data"]["ca.crt"]}
 
 
+def test_audit_checkpoints_are_signed_by_default(helm: str, default: list[Doc]):
+    """The default install signs its audit checkpoints with a key the chart makes (an Ed25519 PEM the webhook
+    loads); a Secret of the operator's replaces it."""
+    secret = one(default, "Secret", "scrubgate-audit-signing-key")
+    load_private_key(base64.b64decode(secret["data"]["ed25519.pem"]))
+    pod = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--audit-signing-key") + 1] == "/etc/scrubgate/audit-key/ed25519.pem"
+    volume = next(v for v in pod["volumes"] if v["name"] == "audit-key")
+    assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
+    own = render(helm, "--set", "webhook.audit.signingKeySecret=mine")
+    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+
+
 def test_cert_manager_source(helm: str):
     docs = render(helm, "--set", "certs.source=cert-manager")
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["scrubgate-audit-signing-key"]
     assert {d["kind"] for d in docs if d["apiVersion"].startswith("cert-manager.io/")} == {"Issuer", "Certificate"}
     for doc in docs:
         if doc["kind"].endswith("WebhookConfiguration"):
@@ -273,7 +287,7 @@ def test_provided_source_needs_the_ca(helm: str, tmp_path: Path):
     ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     docs = render(helm, "--set", "certs.source=provided", "--set-file", f"certs.provided.caBundle={ca}")
     assert {w["clientConfig"]["caBundle"] for w in webhooks(docs)} == {base64.b64encode(ca.read_bytes()).decode()}
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["scrubgate-audit-signing-key"]
 
 
 def test_policy_values_merge_over_the_default(helm: str, tmp_path: Path):

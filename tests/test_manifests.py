@@ -549,8 +549,14 @@ def test_webhook_deployment(docs: list[Doc]):
         "--port", "8443",
         "--policy", "/etc/scrubgate/policy/policy.yaml",
         "--audit-log", "/var/log/scrubgate/audit.jsonl",
+        "--audit-signing-key", "/etc/scrubgate/audit-key/ed25519.pem",  # signed checkpoints by default
+        "--audit-checkpoint-interval", "60",
         "--client-ca", "/etc/scrubgate/client-ca/ca.crt",
     ]  # fmt: skip
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "audit-key")
+    volume = next(v for v in pod["volumes"] if v["name"] == "audit-key")
+    assert mount["mountPath"] == "/etc/scrubgate/audit-key" and mount["readOnly"]
+    assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
         assert (get["path"], get["port"], get["scheme"]) == (path, "https", "HTTPS")

@@ -188,6 +188,11 @@ def run_audit(args: argparse.Namespace) -> int:
         f"intact: {result.records} record(s) in {len(result.files)} file(s), seq {result.first_seq}..{result.last_seq}, "
         f"head {result.last_hash}"
     )
+    if not args.checkpoints:
+        print(
+            "note: the hash chain alone: a cut tail or a chain rewritten from some record on still verifies; "
+            "check the files against the webhook's signed checkpoints too (--checkpoints STREAM --public-key KEY)"
+        )
     if not result.starts_at_genesis:
         print(
             f"note: the chain starts at seq {result.first_seq}; older records were rotated away or not given, "
