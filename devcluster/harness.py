@@ -324,6 +324,7 @@ class Cluster:
         ready_timeout: float = 120.0,
         version: str | None = None,
         installer: str = "kustomize",
+        namespace: str = names.SYSTEM_NAMESPACE,
         client_qps: float | None = None,
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
@@ -336,7 +337,10 @@ class Cluster:
         self.tenants = list(tenants)
         for name in self.tenants:
             self.users[name] = User(name, secrets.token_hex(16))
-        self.users["agent"] = User(AGENT_USER, "")  # its token comes from the TokenRequest API at start
+        # scrubgate's namespace: the base's, or any other with the chart (which names it wherever the base does)
+        self.namespace = namespace
+        agent = f"system:serviceaccount:{namespace}:{names.AGENT_SERVICE_ACCOUNT}"
+        self.users["agent"] = User(agent, "")  # its token comes from the TokenRequest API at start
         self.key_id = KEY_ID
         self._signing_key = Ed25519PrivateKey.generate()
         self.public_keys: dict[str, Ed25519PublicKey] = {KEY_ID: self._signing_key.public_key()}
@@ -356,6 +360,8 @@ class Cluster:
         self._agent_args = list(agent_args)
         if installer not in ("kustomize", "helm"):
             raise ValueError(f"installer {installer!r}: kustomize or helm")
+        if installer == "kustomize" and namespace != names.SYSTEM_NAMESPACE:
+            raise ValueError(f"namespace {namespace!r}: the kustomize base installs into {names.SYSTEM_NAMESPACE}")
         self.installer = installer
         self.api = self.control_plane.apiserver
         self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
@@ -548,7 +554,9 @@ class Cluster:
             )
         )
         p.signing_key.chmod(0o600)
-        self.write_policy(policy_with_key(public_key_pem(self._signing_key)))
+        policy = policy_with_key(public_key_pem(self._signing_key))
+        policy["agent"] = {"identities": [self.users["agent"].name]}  # as the chart's policy names it
+        self.write_policy(policy)
         self.set_webhook_port(self.webhook_port)
 
     def _webhook_client_credentials(self) -> None:
@@ -622,7 +630,7 @@ class Cluster:
             self._install_with_helm()
         else:
             self._install_with_kustomize()
-        self.users["agent"].token = self.service_account_token(names.SYSTEM_NAMESPACE, names.AGENT_SERVICE_ACCOUNT)
+        self.users["agent"].token = self.service_account_token(self.namespace, names.AGENT_SERVICE_ACCOUNT)
         self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
 
     def uninstall_scrubgate(self) -> None:
@@ -653,7 +661,7 @@ class Cluster:
     def _install_with_helm(self) -> None:
         """`helm install` of charts/scrubgate with its values for host processes (values-local.yaml): the
         webhook configurations call the Service stand-in; the namespace is created first, as README says."""
-        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": names.SYSTEM_NAMESPACE}})
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
         keys = self.paths.root / "helm-keys.yaml"
         keys.write_text(yaml.safe_dump({"policy": {"attestationKeys": self.policy()["attestationKeys"]}}))
         self.helm(
@@ -666,7 +674,7 @@ class Cluster:
 
     def helm(self, *args: str) -> str:
         """helm as the admin, in scrubgate's namespace; its output (logged to logs/helm.log)."""
-        argv = [helm_binary(), *args, "--namespace", names.SYSTEM_NAMESPACE]
+        argv = [helm_binary(), *args, "--namespace", self.namespace]
         argv += ["--kubeconfig", str(self.control_plane.credentials["admin"].kubeconfig)]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, env=self._env)
         with (self.paths.logs / "helm.log").open("a") as log_file:

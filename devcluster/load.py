@@ -352,12 +352,12 @@ def scrubgate_requests(counts: Counter[str]) -> float:
     return counts[AGENT_REQUESTS] + counts[REJECTED] + counts[FENCE_STATUS]
 
 
-def agent_flow_schema() -> dict[str, Any]:
+def agent_flow_schema(namespace: str = names.SYSTEM_NAMESPACE) -> dict[str, Any]:
     """A FlowSchema that matches only the agent's requests, so that API Priority and Fairness counts them under
     its name. It wins over the default `service-accounts` schema that matches them otherwise (matchingPrecedence
     9000) and sends them to the same priority level, workload-low, so they are served as before."""
     every_resource = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
-    agent = {"namespace": names.SYSTEM_NAMESPACE, "name": names.AGENT_SERVICE_ACCOUNT}
+    agent = {"namespace": namespace, "name": names.AGENT_SERVICE_ACCOUNT}
     return {
         "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
         "kind": "FlowSchema",
@@ -434,7 +434,7 @@ class LoadRun:
         return self._result(started)
 
     def _set_up(self) -> None:
-        self.cluster.apply(agent_flow_schema())
+        self.cluster.apply(agent_flow_schema(self.cluster.namespace))
         wait_for(lambda: _flow_schema_in_use(self.cluster), 30, f"kube-apiserver to use FlowSchema {FLOW_SCHEMA}")
         for namespace, user in self.namespaces:
             self.cluster.create_namespace(namespace)

@@ -155,11 +155,44 @@ def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
     assert result.returncode == 0, result.stderr
 
 
-def test_other_namespaces_are_refused(helm: str):
-    result = subprocess.run(
-        [helm, "template", "scrubgate", str(CHART), "-n", "default"], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode != 0 and "install into the namespace scrubgate-system" in result.stderr
+def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
+    """`helm template` without -n (the namespace `default`) and with another namespace: every reference the
+    base makes to its namespace (the webhooks' Service, RBAC subjects, the agent's identity, the certificate's
+    names, the namespace the webhooks leave out) is the release's, and the render passes scrubgate check."""
+    for namespace in (None, "gpu-guard"):
+        argv = [helm, "template", "sg", str(CHART), *(["-n", namespace] if namespace else [])]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0, result.stderr
+        namespace = namespace or "default"
+        assert NAMESPACE not in result.stdout
+        docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+        for doc in docs:
+            if doc["kind"] not in (
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "PriorityClass",
+                "CustomResourceDefinition",
+            ) and not doc["kind"].endswith("WebhookConfiguration"):
+                assert doc["metadata"]["namespace"] == namespace, doc["metadata"]
+        for hook in webhooks(docs):
+            assert hook["clientConfig"]["service"]["namespace"] == namespace
+            for expression in (hook.get("namespaceSelector") or {}).get("matchExpressions") or []:
+                if expression["key"] == "kubernetes.io/metadata.name":
+                    assert namespace in expression["values"]
+        subjects = [s for d in docs if d["kind"].endswith("RoleBinding") for s in d["subjects"]]
+        assert subjects and all(s["namespace"] == namespace for s in subjects if s["kind"] == "ServiceAccount")
+        policy = yaml.safe_load(one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"])
+        assert policy["agent"]["identities"] == [f"system:serviceaccount:{namespace}:scrubgate-agent"]
+        tls = one(docs, "Secret", "scrubgate-webhook-tls")
+        cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+        assert f"scrubgate-webhook.{namespace}.svc" in sans
+        rendered = tmp_path / f"{namespace}.yaml"
+        rendered.write_text(result.stdout)
+        checked = run_check([str(rendered)], load_policy())
+        assert not checked.errors and [f for o in checked.objects for f in o.findings] == []
 
 
 # --- one source of truth with the kustomize base ------------------------------------------------
@@ -187,9 +220,16 @@ def comparable(doc: Doc) -> Doc:
     return doc
 
 
-def test_default_render_is_the_kustomize_base(default: list[Doc]):
+def test_the_render_is_the_kustomize_base(helm: str, tmp_path: Path):
+    """With client authentication on, as the base has it (the base requires the ConfigMap the value renders)."""
+    (tmp_path / "client-ca.crt").write_text(gen.generate_ca("client-ca").cert_pem.decode())
+    rendered = render(helm, "--include-crds", "--set-file", f"webhook.clientCA={tmp_path / 'client-ca.crt'}")
     base = {(c["kind"], c["metadata"]["name"]): c for d in kustomize(REPO / "manifests") for c in [comparable(d)]}
-    chart = {(d["kind"], d["metadata"]["name"]): comparable(d) for d in default}
+    chart = {
+        (d["kind"], d["metadata"]["name"]): comparable(d)
+        for d in rendered
+        if (d["kind"], d["metadata"]["name"]) != ("ConfigMap", "scrubgate-webhook-client-ca")
+    }
     # The namespace comes from --create-namespace (namespace.create renders it); the chart adds the TLS
     # Secret it generates and, with reports.enabled, the reports Deployment, its RBAC and CRDs.
     assert set(base) - set(chart) == {("Namespace", NAMESPACE)}
@@ -266,6 +306,32 @@ def test_audit_checkpoints_are_signed_by_default(helm: str, default: list[Doc]):
     assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
     own = render(helm, "--set", "webhook.audit.signingKeySecret=mine")
     assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+
+
+def test_default_values_start_a_webhook_without_client_authentication(helm: str, default: list[Doc]):
+    """Default values on kind or a managed cluster, where the API server presents no client certificate to
+    webhooks: the webhook needs no client-CA ConfigMap to start (it would never start, and every GPU pod and
+    claim write would be refused), and the NOTES say that client authentication is off and how to turn it on."""
+    pod = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--client-ca" not in container["args"]
+    assert "client-ca" not in {m["name"] for m in container["volumeMounts"]} | {v["name"] for v in pod["volumes"]}
+    configmaps = {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v}
+    assert configmaps <= {d["metadata"]["name"] for d in default if d["kind"] == "ConfigMap"}
+    notes = subprocess.run(
+        [helm, "install", "--dry-run=client", "sg", str(CHART), "-n", "gpu-guard"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Client authentication is OFF" in notes.stdout and "webhook.clientCA" in notes.stdout
+    on = subprocess.run(
+        [helm, "install", "--dry-run=client", "sg", str(CHART), "-n", "gpu-guard", "--set", "webhook.clientCA=x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Client authentication is ON" in on.stdout
 
 
 def test_cert_manager_source(helm: str):

@@ -1,5 +1,5 @@
 """scrubgate installed as a platform team installs it, on the real control plane: `helm install` of
-charts/scrubgate (values for host processes), then a GPU Job's whole lifecycle; and the reports of what was
+charts/scrubgate (values for host processes) into a namespace of its choosing, then a GPU Job's whole lifecycle; and the reports of what was
 already there: objects created while no scrubgate webhook existed, found by `scrubgate check --cluster` and
 written as wgpolicyk8s.io PolicyReports by `scrubgate reports --once` (the CRDs come with the chart)."""
 
@@ -49,8 +49,12 @@ def scrubgate(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_helm_install_then_a_gpu_job_and_reports_of_what_was_there(cluster_factory) -> None:
-    cluster = cluster_factory(gpus=1, installer="helm")
+    # In a namespace of another name than the base's: the chart names it wherever the base names its own, so
+    # the agent's ServiceAccount, its RBAC and the policy's agent identity all meet there.
+    cluster = cluster_factory(gpus=1, installer="helm", namespace="gpu-guard")
     assert "scrubgate" in cluster.helm("list", "--short")
+    assert cluster.users["agent"].name == "system:serviceaccount:gpu-guard:scrubgate-agent"
+    assert cluster.request("GET", "/api/v1/namespaces/gpu-guard/serviceaccounts/scrubgate-agent")
 
     # One GPU Job's lifecycle through the Helm-installed webhooks: finalizer, fence, scrub, attestation.
     ns = tenant_namespace(cluster, "helm")
