@@ -346,6 +346,36 @@ def test_cert_manager_source(helm: str):
             assert all("caBundle" not in w["clientConfig"] for w in doc["webhooks"])
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["--set", "certs.source=cert-manager"],
+        [
+            "--set",
+            "certs.source=cert-manager,certs.certManager.issuerRef.name=corp-ca,certs.certManager.issuerRef.kind=ClusterIssuer",
+        ],
+        ["--set", "certs.source=provided,certs.provided.caBundle=PEM"],
+    ],
+    ids=["cert-manager", "cert-manager-own-issuer", "existing-secret"],
+)
+def test_gitops_renders_are_equal(helm: str, values: list[str]):
+    """Argo CD renders with `helm template` (no lookup): with certificates from cert-manager or an existing
+    Secret, and an existing audit key Secret, nothing is generated and two renders are the same bytes."""
+    argv = [*values, "--set", "webhook.audit.signingKeySecret=audit-key"]
+    first, second = run_helm(helm, *argv), run_helm(helm, *argv)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+def test_cert_manager_with_an_existing_issuer(helm: str):
+    docs = render(helm, "--set", "certs.source=cert-manager,certs.certManager.issuerRef.name=corp-ca")
+    certificates = [d for d in docs if d["apiVersion"].startswith("cert-manager.io/")]
+    assert [(d["kind"], d["metadata"]["name"]) for d in certificates] == [("Certificate", "scrubgate-webhook-tls")]
+    assert certificates[0]["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "Issuer", "group": "cert-manager.io"}
+
+
 def test_provided_source_needs_the_ca(helm: str, tmp_path: Path):
     result = run_helm(helm, "--set", "certs.source=provided")
     assert result.returncode != 0 and "certs.provided.caBundle" in result.stderr

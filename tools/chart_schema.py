@@ -78,6 +78,17 @@ def build() -> dict[str, Any]:
                         "source": {"enum": ["self-generated", "cert-manager", "provided"]},
                         "validityDays": {"type": "integer", "minimum": 1},
                         "provided": _object({"caBundle": STRING}),
+                        "certManager": _object(
+                            {
+                                "issuerRef": _object(
+                                    {
+                                        "name": STRING,
+                                        "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                                        "group": STRING,
+                                    }
+                                )
+                            }
+                        ),
                     }
                 ),
                 "agent": _object(
