@@ -42,7 +42,7 @@ class Kind:
         return f"/apis/{self.group}/{version or self.version}/{self.plural}"
 
 
-# Every kind the rules read (policies/model.py), and Namespaces for their tenancy label.
+# Every kind the rules read (policies/model.py, and DeviceClasses), and Namespaces for their tenancy label.
 NAMESPACES = Kind("", "v1", "namespaces", "Namespace")
 CHECKED_KINDS = (
     Kind("", "v1", "pods", "Pod"),
@@ -56,6 +56,9 @@ CHECKED_KINDS = (
     Kind("batch", "v1", "cronjobs", "CronJob"),
     Kind(DRA_GROUP, "", "resourceclaims", "ResourceClaim"),
     Kind(DRA_GROUP, "", "resourceclaimtemplates", "ResourceClaimTemplate"),
+    # Cluster-scoped: SG009 (a class handing out GPU devices under a name the policy does not count as a GPU
+    # class); its findings go to the ClusterPolicyReport.
+    Kind(DRA_GROUP, "", "deviceclasses", "DeviceClass"),
 )
 
 
@@ -186,6 +189,7 @@ class Snapshot:
     objects: list[tuple[Kind, dict[str, Any]]] = field(default_factory=list)
     resource_versions: dict[str, str] = field(default_factory=dict)  # path -> resourceVersion
     notes: list[str] = field(default_factory=list)
+    kinds: dict[str, tuple[Kind, str]] = field(default_factory=dict)  # path -> its Kind and apiVersion
 
 
 def read_cluster(api: Api, page_size: int = PAGE_SIZE) -> Snapshot:
@@ -200,6 +204,7 @@ def read_cluster(api: Api, page_size: int = PAGE_SIZE) -> Snapshot:
         items, resource_version = list_all(api, path, page_size)
         snapshot.resource_versions[path] = resource_version
         api_version = f"{kind.group}/{version or kind.version}" if kind.group else kind.version
+        snapshot.kinds[path] = (kind, api_version)
         for item in items:
             # List items carry no apiVersion and kind; the engine needs both.
             snapshot.objects.append((kind, {"apiVersion": api_version, "kind": kind.kind, **item}))

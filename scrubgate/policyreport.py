@@ -93,8 +93,8 @@ def build_reports(result: CheckResult, now: datetime | None = None) -> dict[str,
 
 
 def _namespaced(obj: dict[str, Any]) -> bool:
-    # Every kind the rules read is namespaced except scrubgate's fences (DeviceTaintRules).
-    return obj.get("kind") not in ("DeviceTaintRule", "Namespace")
+    # Every kind the rules read is namespaced except DeviceClasses and scrubgate's fences (DeviceTaintRules).
+    return obj.get("kind") not in ("DeviceClass", "DeviceTaintRule", "Namespace")
 
 
 def render_policyreport(result: CheckResult, now: datetime | None = None) -> str:

@@ -1,11 +1,11 @@
 """`scrubgate reports`: keeps PolicyReports of what is already in the cluster up to date.
 
-Each round reads the cluster (scrubgate/cluster.py), runs the engine, and writes one PolicyReport named
-`scrubgate` per namespace with findings plus the ClusterPolicyReport `scrubgate`; a namespace whose
+Each round runs the engine over the cluster's objects (scrubgate/cluster.py) and writes one PolicyReport
+named `scrubgate` per namespace with findings plus the ClusterPolicyReport `scrubgate`; a namespace whose
 findings are gone loses its report. A result found in an earlier round keeps its timestamp (the time it
-was first found), so an unchanged report is not written again. Rounds run every `--interval` and, sooner,
-after a change: one watch per listed kind from the list's resourceVersion; the first event ends the
-wait, and a short quiet period gathers the burst a rollout makes into one round.
+was first found), so an unchanged report is not written again. Every `--interval` a round lists every kind;
+in between, one watch per kind from its list's resourceVersion keeps those objects current (`Mirror`), and
+a change starts a round over them after a short quiet period (a rollout's burst: one round), with no list.
 
 Its own Deployment and ServiceAccount (chart: reports.enabled), not the webhook's pod: the webhook has no
 API credentials, and a component that answers the API server should not get list rights on every
@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,52 +103,138 @@ def write_reports(api: Api, reports: Mapping[str, dict[str, Any]]) -> dict[str, 
     return done
 
 
-def reconcile(api: Api, policy: PolicyConfig) -> tuple[Snapshot, dict[str, str]]:
-    """One round: read, check, write. The end-to-end tests call it against the real control plane."""
-    snapshot = read_cluster(api)
-    for note in snapshot.notes:
-        log.warning("reports: %s", note)
+def reconcile(api: Api, policy: PolicyConfig, snapshot: Snapshot | None = None) -> tuple[Snapshot, dict[str, str]]:
+    """One round: read (unless given what was read), check, write. The end-to-end tests call it against the
+    real control plane."""
+    if snapshot is None:
+        snapshot = read_cluster(api)
+        for note in snapshot.notes:
+            log.warning("reports: %s", note)
     return snapshot, write_reports(api, build_reports(check_snapshot(snapshot, policy)))
 
 
-def _watch(api: Api, path: str, resource_version: str, timeout_s: int, changed: threading.Event) -> None:
-    query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
-    if resource_version:
-        query["resourceVersion"] = resource_version
-    try:
-        for event in api.stream(path, query):
-            if event.get("type") != "BOOKMARK":  # ERROR (e.g. 410 Gone) also calls for a new list
-                changed.set()
-                return
-    except ApiError as exc:
-        log.warning("reports: watch of %s ended: %s; the next round lists again", path, exc)
-        changed.set()
+class Mirror:
+    """The cluster as the last full list read it, kept current by watch events (ADDED, MODIFIED, DELETED) from
+    each list's resourceVersion, as an informer keeps its cache: a change costs a re-check of what is held,
+    not another list of every kind in the cluster."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._lock = threading.Lock()
+        self.kinds = dict(snapshot.kinds)
+        self.notes = list(snapshot.notes)
+        self.versions = dict(snapshot.resource_versions)
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {path: {} for path in self.kinds}
+        by_kind = {kind: path for path, (kind, _) in self.kinds.items()}
+        for kind, obj in snapshot.objects:
+            self.objects[by_kind[kind]][_key(obj)] = obj
+
+    def apply(self, path: str, event: Mapping[str, Any]) -> bool:
+        """One watch event of `path`; False when the watch cannot go on from here (ERROR: e.g. 410 Gone)."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            return False
+        with self._lock:
+            version = (obj.get("metadata") or {}).get("resourceVersion")
+            if version:
+                self.versions[path] = version
+            if kind in ("ADDED", "MODIFIED"):
+                plural_kind, api_version = self.kinds[path]
+                self.objects[path][_key(obj)] = {**obj, "apiVersion": api_version, "kind": plural_kind.kind}
+            elif kind == "DELETED":
+                self.objects[path].pop(_key(obj), None)
+        return True
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(
+                objects=[(self.kinds[path][0], obj) for path, held in self.objects.items() for obj in held.values()],
+                resource_versions=dict(self.versions),
+                notes=list(self.notes),
+                kinds=dict(self.kinds),
+            )
+
+
+def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def _follow(
+    api: Api, mirror: Mirror, path: str, timeout_s: int, changed: threading.Event, done: threading.Event
+) -> None:
+    """Watches `path` into `mirror` until `done` (a new list, or stop); sets `changed` on each change, and `done`
+    itself (with `changed`) when only a new list can go on (410 Gone, an API error)."""
+    while not done.is_set():
+        query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
+        query["resourceVersion"] = mirror.versions.get(path, "")
+        began = time.monotonic()
+        try:
+            for event in api.stream(path, query):
+                if done.is_set():
+                    return
+                if not mirror.apply(path, event):
+                    log.warning(
+                        "reports: watch of %s: %s; listing again", path, (event.get("object") or {}).get("message")
+                    )
+                    done.set()
+                    changed.set()
+                    return
+                if event.get("type") != "BOOKMARK":
+                    changed.set()
+        except ApiError as exc:
+            log.warning("reports: watch of %s ended: %s; listing again", path, exc)
+            done.set()
+            changed.set()
+            return
+        if time.monotonic() - began < 1.0:
+            done.wait(1.0)  # a watch the server ended at once: not a busy loop
 
 
 def run_rounds(
-    api: Api, policy_file: Path | None, interval_s: float, stop: threading.Event, *, quiet_s: float = 10.0
+    api: Api,
+    policy_file: Path | None,
+    interval_s: float,
+    stop: threading.Event,
+    *,
+    quiet_s: float = 10.0,
+    changed: threading.Event | None = None,
 ) -> None:
+    """A full list every `interval_s` (and after a watch broke off); between them, the reports are written again
+    from the mirror a short quiet period after a change (a rollout's burst: one write). `changed` wakes the
+    loop: the watches set it, and so does whoever sets `stop` (SIGTERM)."""
+    changed = changed or threading.Event()
+    mirror: Mirror | None = None
+    done = threading.Event()  # the current mirror's watches end when it is set
+    next_list = 0.0
     while not stop.is_set():
         try:
             policy = load_policy(policy_file)
-            snapshot, done = reconcile(api, policy)
-            written = {namespace or "(cluster)": what for namespace, what in done.items() if what != "unchanged"}
-            log.info("reports: %d objects read; reports %s", len(snapshot.objects), written or "unchanged")
+            held = None
+            if mirror is not None and not done.is_set() and time.monotonic() < next_list:
+                held = mirror.snapshot()
+            changed.clear()
+            snapshot, done_writes = reconcile(api, policy, held)
+            if held is None:  # listed: a new mirror, watched from the lists' resourceVersions
+                done.set()
+                mirror, done, next_list = Mirror(snapshot), threading.Event(), time.monotonic() + interval_s
+                for path in mirror.kinds:
+                    threading.Thread(
+                        target=_follow,
+                        args=(api, mirror, path, max(int(interval_s), 1), changed, done),
+                        name=f"reports-watch{path}",
+                        daemon=True,
+                    ).start()
+            written = {namespace or "(cluster)": what for namespace, what in done_writes.items() if what != "unchanged"}
+            log.info("reports: %d objects checked; reports %s", len(snapshot.objects), written or "unchanged")
         except (ApiError, PolicyError) as exc:
             log.error("reports: round failed: %s; trying again in %.0f s", exc, interval_s)
+            done.set()
+            mirror = None
             stop.wait(interval_s)
             continue
-        # Watches of this round; those of earlier rounds end at their timeout and set an Event no one reads.
-        changed = threading.Event()
-        for path, resource_version in snapshot.resource_versions.items():
-            threading.Thread(
-                target=_watch,
-                args=(api, path, resource_version, max(int(interval_s), 1), changed),
-                name=f"reports-watch{path}",
-                daemon=True,
-            ).start()
-        if changed.wait(interval_s) and not stop.is_set():
+        if changed.wait(max(next_list - time.monotonic(), 0.0)) and not stop.is_set():
             stop.wait(quiet_s)
+    done.set()
 
 
 def parse_duration(text: str) -> float:
@@ -183,9 +271,16 @@ def run(args: argparse.Namespace) -> int:
     except (ApiError, PolicyError) as exc:
         print(f"scrubgate reports: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    try:
-        run_rounds(api, args.policy, args.interval, stop)
-    except KeyboardInterrupt:
+    stop, changed = threading.Event(), threading.Event()
+
+    def stopping(*_: object) -> None:
+        # As PID 1 in its container, a process that sets no handler is not ended by SIGTERM at all: the pod
+        # would wait out its grace period at every rollout.
         stop.set()
+        changed.set()
+
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGINT, stopping)
+    run_rounds(api, args.policy, args.interval, stop, changed=changed)
+    log.info("reports: stopped")
     return 0

@@ -23,7 +23,7 @@ class FakeApi:
         self.dra_versions = dra_versions
         self.served = served  # path prefixes the server answers; others are 404
         self.calls: list[tuple[str, str, dict[str, str]]] = []
-        self.events: dict[str, list[Obj]] = {}  # watch path -> events to send
+        self.events: dict[str, list[Obj]] = {}  # watch path -> events the next watch of it sends
         self.watched = threading.Event()
         self._rv = itertools.count(100)
 
@@ -76,7 +76,7 @@ class FakeApi:
     def stream(self, path: str, query: Mapping[str, str]) -> Iterator[Obj]:
         self.calls.append(("WATCH", path, dict(query)))
         self.watched.set()
-        yield from self.events.get(path, [])
+        yield from self.events.pop(path, [])  # each event once, as a watch from a later resourceVersion sends it
 
     # -- internals -------------------------------------------------------------------------------
 

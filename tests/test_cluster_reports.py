@@ -3,10 +3,13 @@ in-memory API (tests/kube_fake.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -77,6 +80,31 @@ def test_check_cluster_reports_what_was_there_before_the_webhook(api):
     assert notes == []
     assert result.exit_code == 1  # SG001 denies
     assert api.writes() == []  # read-only
+
+
+def test_a_gpu_device_class_outside_the_policy_goes_to_the_cluster_report(api):
+    """SG009 in a cluster: a DeviceClass handing out gpu.nvidia.com's devices under a name the policy does not
+    count as a GPU class (created while no webhook ran) is found, and reported cluster-wide."""
+    selector = {"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}
+    api.add(
+        "/apis/resource.k8s.io/v1/deviceclasses", {"metadata": {"name": "h100-80gb"}, "spec": {"selectors": [selector]}}
+    )
+    api.add(
+        "/apis/resource.k8s.io/v1/deviceclasses",
+        {"metadata": {"name": "gpu.nvidia.com"}, "spec": {"selectors": [selector]}},
+    )
+    result, _ = check_cluster(api, load_policy(None))
+    classes = [
+        (c.document.obj["metadata"]["name"], [f.rule for f in c.findings])
+        for c in result.objects
+        if c.document.obj["kind"] == "DeviceClass"
+    ]
+    assert sorted(classes) == [("gpu.nvidia.com", []), ("h100-80gb", ["SG009"])]
+    cluster_report = build_reports(result)[""]
+    assert cluster_report["kind"] == "ClusterPolicyReport"
+    assert [(r["rule"], r["resources"][0]["kind"], r["resources"][0]["name"]) for r in cluster_report["results"]] == [
+        ("SG009", "DeviceClass", "h100-80gb")
+    ]
 
 
 def test_a_stored_claims_agent_annotations_are_not_a_finding_as_in_a_manifest(api, tmp_path):
@@ -179,21 +207,76 @@ def test_reports_are_created_kept_updated_and_deleted(api):
     assert api.collections[POLICY_REPORTS] == []
 
 
-def test_a_change_starts_a_round_before_the_interval(api):
-    api.events[PODS] = [{"type": "BOOKMARK", "object": {}}, {"type": "MODIFIED", "object": {}}]
-    stop = threading.Event()
-    thread = threading.Thread(target=reports.run_rounds, args=(api, None, 3600.0, stop), kwargs={"quiet_s": 0.0})
+def rounds(api: FakeApi, until: Callable[[], bool], what: str) -> None:
+    """reports.run_rounds (an hour between lists, no quiet period) until `until()`, then stopped."""
+    stop, changed = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=reports.run_rounds, args=(api, None, 3600.0, stop), kwargs={"quiet_s": 0.0, "changed": changed}
+    )
     thread.start()
     try:
         deadline = time.monotonic() + 20
-        while sum(1 for m, p, _ in api.calls if (m, p) == ("GET", NAMESPACES)) < 2:
-            assert time.monotonic() < deadline, "no second round after the watch saw a change"
+        while not until():
+            assert time.monotonic() < deadline, what
             time.sleep(0.05)
     finally:
         stop.set()
+        changed.set()
         thread.join(timeout=20)
-    watch = next(q for m, p, q in api.calls if (m, p) == ("WATCH", PODS))
-    assert watch["watch"] == "true" and watch["resourceVersion"]
+    assert not thread.is_alive(), "run_rounds did not stop"
+
+
+def lists_of_namespaces(api: FakeApi) -> int:
+    return sum(1 for m, p, _ in api.calls if (m, p) == ("GET", NAMESPACES))
+
+
+def test_a_change_is_reported_from_the_watch_without_listing_again(api):
+    """Between full lists, the watches keep the objects current: a claim added and one deleted change the
+    reports at once, and no kind is listed again."""
+    added = claim("team-b", "late", retain=True)
+    added["metadata"]["resourceVersion"] = "900"
+    api.add(NAMESPACES, namespace("team-b"))
+    gone = {**claim("team-a", "sticky", retain=True), "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim"}
+    api.events[CLAIMS] = [{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "899"}}},
+                          {"type": "ADDED", "object": added}, {"type": "DELETED", "object": gone}]  # fmt: skip
+    report = "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-b/policyreports/scrubgate"
+
+    def reported() -> bool:
+        try:
+            api.request("GET", report)
+        except ApiError:
+            return False
+        return True
+
+    rounds(api, reported, "no report of the claim the watch added")
+    assert lists_of_namespaces(api) == 1
+    watches = [q for m, p, q in api.calls if (m, p) == ("WATCH", CLAIMS)]
+    assert watches[0]["watch"] == "true" and watches[0]["resourceVersion"]
+    team_a = api.request("GET", "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-a/policyreports/scrubgate")
+    assert {(r["resources"][0]["name"], r["rule"]) for r in team_a["results"]} == {("old", "SG004")}
+
+
+def test_a_watch_that_breaks_off_lists_again(api):
+    api.events[PODS] = [{"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}]
+    rounds(api, lambda: lists_of_namespaces(api) >= 2, "no new list after the watch's 410")
+
+
+def test_sigterm_ends_reports_as_pid_1_would_need(api, monkeypatch):
+    """In a container the process is PID 1, which SIGTERM does not end unless it handles it: `reports` does, and
+    stops within a moment rather than the pod's grace period."""
+    monkeypatch.setattr(reports.KubeApi, "connect", classmethod(lambda cls, *a: api))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    args = argparse.Namespace(kubeconfig=None, context=None, once=False, policy=None, interval=3600.0)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert reports.run(args) == 0
+    finally:
+        timer.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert time.monotonic() - started < 15
 
 
 def test_check_cluster_cli(api, monkeypatch, capsys):
