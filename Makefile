@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint cluster-bins helm-bin
+test: lint cluster-bins helm-bin promtool-bin
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
@@ -43,12 +43,15 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-.PHONY: helm-bin chart-schema image
+.PHONY: helm-bin promtool-bin chart-schema image
 
-# helm, built from its Go module (tools/helm/go.mod) into ~/.cache/scrubgate/helm/v<version>/helm, once; it prints
-# the binary's path on stdout and its progress on stderr.
+# helm and promtool, each built from its Go module (tools/<tool>/go.mod) into
+# ~/.cache/scrubgate/<tool>/v<version>/<tool>, once; each prints the binary's path on stdout, progress on stderr.
 helm-bin:
-	tools/build-helm.sh
+	tools/build-go-tool.sh helm
+
+promtool-bin:
+	tools/build-go-tool.sh promtool
 
 # charts/scrubgate/values.schema.json from the policy's own schema (after a change to policies/config.py).
 chart-schema: $(STAMP)

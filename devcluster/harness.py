@@ -1055,12 +1055,16 @@ class Cluster:
 
 
 def helm_binary() -> str:
-    """helm, as `make helm-bin` (tools/build-helm.sh) builds it from its Go module; builds it when missing."""
+    """helm, as `make helm-bin` (tools/build-go-tool.sh) builds it from its Go module; builds it when missing."""
     result = subprocess.run(
-        ["bash", str(REPO_ROOT / "tools" / "build-helm.sh")], capture_output=True, text=True, timeout=3600, check=False
+        ["bash", str(REPO_ROOT / "tools" / "build-go-tool.sh"), "helm"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
     )
     if result.returncode != 0:
-        raise HarnessError(f"tools/build-helm.sh failed:\n{result.stderr}")
+        raise HarnessError(f"tools/build-go-tool.sh helm failed:\n{result.stderr}")
     return result.stdout.strip().splitlines()[-1]
 
 

@@ -192,6 +192,7 @@ class Agent:
             on_transition=self.on_transition,
             schedule=(lambda td: self._submit(td, lambda: self.engine.advance(td), "advance")) if self._lanes else None,
         )
+        self.metrics.oldest_release.set_function(self._engine.oldest_release_s)  # at each scrape
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self._refresh_slices()

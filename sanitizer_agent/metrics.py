@@ -68,6 +68,12 @@ class AgentMetrics:
             "scrubgate's admission guard was bypassed or removed.",
             registry=r,
         )
+        self.oldest_release = Gauge(
+            "scrubgate_agent_oldest_release_seconds",
+            "Seconds since the release of the oldest teardown on this node still under way (failed ones apart): "
+            "a claim kept allocated, its devices out of the pool, until the agent's attestation lands.",
+            registry=r,
+        )
         self.teardown_overhead = Histogram(
             "scrubgate_agent_teardown_overhead_seconds",
             "The agent's own time from release seen to the attestation written, not counting drain waits and the scrub.",

@@ -375,6 +375,18 @@ class TeardownEngine:
                 failed += len(td.devices)
         return fenced, failed
 
+    def oldest_release_s(self) -> float:
+        """Seconds since the release of the oldest teardown still under way (not failed: that has its own
+        gauge); 0 when none is. Minutes mean a stuck teardown: a drain that does not end, an attestation the
+        webhook refuses (a key the policy does not know), a webhook the agent cannot reach."""
+        now = self.clock()
+        released = [
+            td.released_at
+            for td in list(self.store.teardowns.values())  # read by the /metrics thread
+            if td.released_at is not None and td.state not in (State.ALLOCATED, State.FAILED)
+        ]
+        return max((now - at for at in released), default=0.0)
+
     # ---------------------------------------------------------------- bookkeeping
 
     def _save(self) -> None:

@@ -223,3 +223,28 @@ def test_the_record_of_an_allocation_waits_until_it_has_lasted_a_while(tmp_path)
     assert claim_annotations(node, "long")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
     assert recorded(node, "long")[0]["device"] == node.device_names[1]
     assert node.violations.found == []
+
+
+def test_the_oldest_release_still_under_way_is_exported(tmp_path):
+    """scrubgate_agent_oldest_release_seconds: a long job is not a stuck teardown (0 while the claim is
+    allocated, fenced or not); a teardown that does not end after its release is, and the gauge says how long."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+
+    def oldest() -> float:
+        return agent.metrics.registry.get_sample_value("scrubgate_agent_oldest_release_seconds")
+
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    node.clock.advance(86_400.0)
+    assert oldest() == 0.0
+    simulated.attach(node.root, node.gpus[0].uuid, pid=4_000_001)
+    simulated.inject_fault(node.root, node.gpus[0].uuid, "linger")
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
+    node.clock.advance(900.0)
+    assert oldest() == pytest.approx(900.0, abs=1.0)
+    simulated.clear_faults(node.root)
+    simulated.detach(node.root, node.gpus[0].uuid, pid=4_000_001)
+    node.settle(agent)
+    assert oldest() == 0.0 and node.clean(0)

@@ -1,6 +1,6 @@
 """The Helm chart in charts/scrubgate: lints, renders what the kustomize base renders (it reads the base's
 own files), passes `scrubgate check` and strict schema validation, and turns each value into what it says.
-helm is built from its Go module by tools/build-helm.sh (cached by version)."""
+helm is built from its Go module by tools/build-go-tool.sh (cached by version)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ Doc = dict[str, Any]
 @pytest.fixture(scope="module")
 def helm() -> str:
     result = subprocess.run(
-        [str(REPO / "tools" / "build-helm.sh")], capture_output=True, text=True, timeout=1700, check=False
+        [str(REPO / "tools" / "build-go-tool.sh"), "helm"], capture_output=True, text=True, timeout=1700, check=False
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -512,7 +512,7 @@ def test_local_values_call_a_host_process(helm: str, tmp_path: Path):
     assert all("service" not in w["clientConfig"] for w in webhooks(docs))
 
 
-# --- tools/build-helm.sh ----------------------------------------------------------------------------
+# --- tools/build-go-tool.sh -------------------------------------------------------------------------
 
 
 def helm_version() -> str:
@@ -526,7 +526,7 @@ def test_build_helm_reuses_its_cache(tmp_path: Path):
     cached.write_text("#!/bin/sh\n")
     cached.chmod(0o755)
     result = subprocess.run(
-        [str(REPO / "tools" / "build-helm.sh")],
+        [str(REPO / "tools" / "build-go-tool.sh"), "helm"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -537,7 +537,7 @@ def test_build_helm_reuses_its_cache(tmp_path: Path):
 
 def test_build_helm_without_go_says_what_to_do(tmp_path: Path):
     result = subprocess.run(
-        [str(REPO / "tools" / "build-helm.sh")],
+        [str(REPO / "tools" / "build-go-tool.sh"), "helm"],
         capture_output=True,
         text=True,
         timeout=30,
