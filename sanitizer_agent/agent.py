@@ -689,6 +689,9 @@ class Agent:
         idle = time.monotonic() - self._last_tick
         if idle > self.settings.liveness_s:
             return False, f"agent loop stuck for {idle:.0f}s"
+        stuck = self.engine.stuck()
+        if stuck:
+            return False, "; ".join(stuck)
         fenced, failed = self.engine.fenced_devices()
         return True, f"ok: {len(self.store.teardowns)} teardown(s), {fenced} device(s) fenced, {failed} failed"
 

@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address for /metrics and /healthz")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for processes to exit")
+    parser.add_argument(
+        "--scrub-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a drain poll or a scrub may run in the GPU driver before the devices are fenced, marked "
+        "failed and /healthz fails (a GPU fallen off the bus hangs those calls)",
+    )
     parser.add_argument("--max-attempts", type=int, default=3, help="failed attempts before waiting for an operator")
     parser.add_argument("--retry-backoff", type=float, default=30.0, help="seconds before the first retry (doubles)")
     parser.add_argument(
@@ -226,6 +233,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         node=args.node,
         teardown=TeardownSettings(
             drain_timeout_s=args.drain_timeout,
+            scrub_timeout_s=args.scrub_timeout,
             max_attempts=args.max_attempts,
             retry_backoff_s=args.retry_backoff,
             record_after_s=args.record_after,

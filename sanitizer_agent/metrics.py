@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from .checkpoint import FenceReason
 
 # Scrub-failure reasons, a fixed set so the metric's label stays bounded.
-FAILURE_REASONS = ("drain-timeout", "gpu-error", "scrub-failed", "unhealthy", "no-uuid")
+FAILURE_REASONS = ("drain-timeout", "gpu-error", "scrub-failed", "scrub-timeout", "unhealthy", "no-uuid")
 
 
 class AgentMetrics:

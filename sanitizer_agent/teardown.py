@@ -50,6 +50,7 @@ from scrubgate.policies.attestation import (
 from .checkpoint import (
     DIRTY_STATES,
     OWED_STATES,
+    CheckpointError,
     CheckpointStore,
     ClaimRef,
     DeviceRecord,
@@ -102,6 +103,9 @@ class TeardownSettings:
     # The record of an allocation (`scrubgate.dev/devices`, `scrub-status: fenced`) is written once it has lasted
     # this long: a claim released sooner gets it with its attestation, one claim write and webhook call less.
     record_after_s: float = 2.0
+    # A drain poll or a scrub still running after this long is stuck (a GPU fallen off the bus hangs NVML and
+    # CUDA calls): its devices are fenced and marked failed, an Event says so, and /healthz fails.
+    scrub_timeout_s: float = 900.0
 
 
 class Signer:
@@ -206,6 +210,7 @@ class TeardownEngine:
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
         self._unwritten: set[str] = set()  # claim UIDs whose state the checkpoint does not have yet
+        self._stuck: dict[str, str] = {}  # claim UID -> what of its teardown is stuck in the driver, and since when
         # How a teardown's next steps are run: here and now, or handed to the agent's workers (one claim's
         # steps in order, many claims at once). Fencing never goes through it: it is done before it returns.
         self.schedule: Callable[[Teardown], None] = schedule or self.advance
@@ -339,7 +344,8 @@ class TeardownEngine:
             while self.store.teardowns.get(td.claim.uid) is td:
                 if td.state in OWED_STATES:
                     self.ensure_fenced(td)
-                outcome = getattr(self, f"_on_{td.state.value}")(td)
+                with self._watched(td):
+                    outcome = getattr(self, f"_on_{td.state.value}")(td)
                 if outcome is None:
                     return
                 state, changes = outcome
@@ -374,6 +380,51 @@ class TeardownEngine:
             if td.state == State.FAILED:
                 failed += len(td.devices)
         return fenced, failed
+
+    def stuck(self) -> list[str]:
+        """What of the teardowns is stuck in the driver now (for /healthz)."""
+        return list(self._stuck.values())
+
+    @contextlib.contextmanager
+    def _watched(self, td: Teardown) -> Iterator[None]:
+        """Around a step that calls into the GPU driver (a drain poll, a scrub): past scrub_timeout_s, the
+        watchdog (a timer thread: the step's own thread is stuck in the call) fails the teardown closed."""
+        if td.state not in (State.DRAINING, State.SCRUBBING):
+            yield
+            return
+        timer = threading.Timer(self.settings.scrub_timeout_s, self._stuck_in_driver, (td, td.state, self.clock()))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            timer.join()  # a watchdog already firing finishes first, so that nothing marks the step stuck after it
+            self._stuck.pop(td.claim.uid, None)
+
+    def _stuck_in_driver(self, td: Teardown, state: State, since: float) -> None:
+        devices = ", ".join(f"{d.key} ({d.uuid})" for d in td.devices)
+        what = f"{state.value} of {devices} for claim {td.claim} stuck in the GPU driver since {_when(since).isoformat(timespec='seconds')}"
+        log.error(
+            "%s; fencing the devices and failing /healthz. Check the GPU (nvidia-smi, dmesg for Xid 79: fallen off the bus)",
+            what,
+        )
+        self.metrics.failures.labels(reason="scrub-timeout").inc()
+        status = f"{names.SCRUB_FAILED_PREFIX}scrub-timeout: {state.value} still running after {self.settings.scrub_timeout_s:.0f}s"
+        try:
+            self.fence(td, FenceReason.FAILED)
+            self._write_claim(td, {names.ANNOTATION_SCRUB_STATUS: status[:STATUS_MAX]})
+            self._status[td.claim.uid] = status[:STATUS_MAX]
+            self.record_event(
+                td,
+                "ScrubTimeout",
+                f"{what}: the devices are fenced and the agent reports unhealthy until it ends; if the GPU fell off "
+                "the bus, drain the node and reset or replace the GPU",
+            )
+        except (ClusterError, CheckpointError) as exc:
+            log.error("claim %s: could not fence or mark its stuck teardown: %s", td.claim, exc)
+        finally:
+            self._stuck[td.claim.uid] = what  # /healthz fails from here on, fenced or not
 
     def oldest_release_s(self) -> float:
         """Seconds since the release of the oldest teardown still under way (not failed: that has its own

@@ -4,10 +4,11 @@ claim's status annotation, a Warning Event, a metric; retried with backoff, then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
-from agent_support import claim_annotations, make_node
+from agent_support import claim_annotations, eventually, make_node
 from scrubgate.policies import names
 from scrubgate.sanitizer_agent import cli
 from scrubgate.sanitizer_agent.agent import RESCRUB_POLL_S
@@ -202,3 +203,31 @@ def test_xid_while_the_agent_had_not_seen_the_allocation_yet_still_counts(tmp_pa
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
     td = agent.store.teardowns[claim["metadata"]["uid"]]
     assert td.state == State.FAILED and "critical XID events: 79" in td.reason
+
+
+def test_a_scrub_stuck_in_the_driver_fails_closed_and_fails_healthz(tmp_path):
+    """A GPU fallen off the bus hangs the scrub's driver calls: past --scrub-timeout the watchdog fences the
+    devices, marks the claim failed (an admin's break-glass may then let it go), says so in an Event and a
+    metric, and /healthz fails (the kubelet restarts the agent); once the call returns, the teardown goes on."""
+    node = make_node(tmp_path)
+    node.settings = dataclasses.replace(node.settings, scrub_timeout_s=0.5)
+    agent = node.agent(max_concurrent_teardowns=2)
+    agent.start()
+    uuid = node.gpus[0].uuid
+    simulated.inject_fault(node.root, uuid, "slow_scrub", 60)
+    td = _release(node, agent)
+    agent.tick()
+    eventually(lambda: not agent.healthy()[0], "/healthz failing for the stuck scrub")
+    _, why = agent.healthy()
+    assert "scrubbing of gpu.nvidia.com" in why and uuid in why and "stuck in the GPU driver" in why
+    assert td.state == State.SCRUBBING and node.fenced(0) and node.canary_present(0)
+    assert claim_annotations(node, "job")[names.ANNOTATION_SCRUB_STATUS].startswith(
+        f"{names.SCRUB_FAILED_PREFIX}scrub-timeout"
+    )
+    assert [e["reason"] for e in node.cluster.events if e["reason"] == "ScrubTimeout"] == ["ScrubTimeout"]
+    assert _failures(agent, "scrub-timeout") == 1
+
+    simulated.clear_faults(node.root)  # the call returns
+    eventually(lambda: not agent.store.teardowns, "the teardown to end", alive=lambda: agent.tick() is not None)
+    agent.tick()
+    assert agent.healthy()[0] and node.clean(0) and not node.cluster.rules

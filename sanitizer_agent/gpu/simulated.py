@@ -327,6 +327,12 @@ class SimulatedGpu:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _slow(self, uuid: str, faults: dict[str, Any]) -> None:
+        """Fault slow_scrub: the scrub takes that long, or until the fault is cleared (a GPU back on the bus)."""
+        until = time.monotonic() + float(faults.get("slow_scrub") or 0)
+        while time.monotonic() < until and self._faults(uuid).get("slow_scrub"):
+            time.sleep(0.05)
+
     def _faults(self, uuid: str) -> dict[str, Any]:
         faults = _read_json(self.root / "faults.json", {})
         merged: dict[str, Any] = dict(faults.get(ALL_DEVICES, {}))
@@ -427,7 +433,7 @@ class SimulatedGpu:
             return failed(f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed")
         if faults.get("scrub_error"):
             return failed(f"simulated CUDA error during scrub of {uuid}: {_message(faults['scrub_error'])}")
-        time.sleep(float(faults.get("slow_scrub") or 0))
+        self._slow(uuid, faults)
         with _mapped(self.root, uuid) as mm:
             size = len(mm)
             zero_memory(mm)
@@ -465,7 +471,7 @@ class SimulatedGpu:
         self._known(parent)
         faults = self._faults(parent)
         self._check_nvml(parent, faults)
-        time.sleep(float(faults.get("slow_scrub") or 0))
+        self._slow(parent, faults)
         with _mapped(self.root, parent) as mm:
             step = len(mm) // MEMORY_SLICES
             begin, end = placement.start * step, (placement.start + placement.size) * step
