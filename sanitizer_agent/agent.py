@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import deleted_before_allocation, reserved_pods
+from scrubgate.policies.attestation import deleted_before_allocation, reserved_consumers
 
 from . import nvidia, rescrub
 from .checkpoint import DIRTY_STATES, OWED_STATES, CheckpointStore, ClaimRef, FenceReason, State, Teardown
@@ -130,7 +130,8 @@ class Agent:
         self._engine: TeardownEngine | None = None
         self._slices: dict[DeviceKey, SliceDevice] = {}
         self._slices_read = float("-inf")
-        self._finished_pods: dict[str, float] = {}  # pod UID -> when seen terminal or deleted
+        # consumer UID -> when seen ended (a pod terminal or deleted, another consumer such as a PodGroup deleted)
+        self._ended: dict[str, float] = {}
         self._live_pods: set[str] = set()  # UIDs of this node's running pods, as of the last list and watch
         # Claim UID -> (pod UIDs it was released by, when): a released claim stays allocated until the
         # controller deallocates it after the attestation; a pod event meanwhile must not start it again.
@@ -279,7 +280,7 @@ class Agent:
                 (c or {}).get("resourceClaimTemplateName") for c in (pod.get("spec") or {}).get("resourceClaims") or []
             )
             with self._lock:
-                self._finished_pods[uid] = self.clock()
+                self._ended[uid] = self.clock()
                 if templated:
                     self._ended_namespaces[namespace] = ENDED_NAMESPACE_SCANS
             self._live_pods.discard(uid)
@@ -396,16 +397,24 @@ class Agent:
             )
 
     def _note_ended_consumers(self, claim: dict[str, Any]) -> None:
-        """Pods the claim is reserved for that the agent has neither seen running nor ending (they ended
-        while it was down, or were bound since its last list): asks the API which have ended."""
+        """Consumers the claim is reserved for that the agent has not seen end: pods it has neither seen running
+        nor ending (they ended while it was down, or were bound since its last list), and consumers that are not
+        pods (a PodGroup, whose pods may all be gone while the claim stays reserved for it): asks the API which
+        have ended (a pod terminal or deleted, another consumer deleted)."""
         namespace = (claim.get("metadata") or {}).get("namespace") or ""
-        for name, uid in reserved_pods(claim):
-            if uid in self._finished_pods or uid in self._live_pods:
+        for resource, name, uid in reserved_consumers(claim):
+            if not uid or uid in self._ended or uid in self._live_pods:
                 continue
-            pod = self.cluster.get_pod(namespace, name)
-            if pod is None or (pod.get("metadata") or {}).get("uid") != uid or pod_finished(pod):
+            if resource == "pods":
+                found = self.cluster.get_pod(namespace, name)
+                ended = found is None or pod_finished(found)
+            else:
+                plural, _, group = resource.partition(".")
+                found = self.cluster.get_consumer(namespace, group, plural, name)
+                ended = found is None
+            if ended or (found or {}).get("metadata", {}).get("uid") != uid:
                 with self._lock:
-                    self._finished_pods[uid] = self.clock()
+                    self._ended[uid] = self.clock()
 
     def _find(self, namespace: str, name: str) -> Teardown | None:
         return next(
@@ -427,7 +436,7 @@ class Agent:
             return self.store.teardowns[uid]
         with self._lock:
             released = self._released.get(uid)
-        if released is not None and {pod for _, pod in reserved_pods(claim)} <= released[0]:
+        if released is not None and {uid for _, _, uid in reserved_consumers(claim)} <= released[0]:
             return None  # torn down for these pods already; a new pod on the claim starts a new teardown
         recorded = dict(recorded_devices(claim))
         keys = allocated_devices(claim)
@@ -496,14 +505,15 @@ class Agent:
             claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
         if claim is not None and (claim.get("metadata") or {}).get("uid") == td.claim.uid:
             add_missing_finalizer(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
-        reason = release_reason(claim, td.claim.uid, self._finished_pods)
+        reason = release_reason(claim, td.claim.uid, self._ended)
         if reason is None and claim is not None:
             self._note_ended_consumers(claim)
-            reason = release_reason(claim, td.claim.uid, self._finished_pods)
+            reason = release_reason(claim, td.claim.uid, self._ended)
         if reason:
             if not self._holds(td, claim):
                 self._allocation_lost(td, claim)
-            consumers = reserved_pods(claim) if claim else []
+            # What the attestation names as used by: every consumer (a PodGroup too, which SG007 requires).
+            consumers = [(name, uid) for _, name, uid in reserved_consumers(claim)] if claim else []
             with self._lock:
                 self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
             self.engine.release(td, reason, consumers)
@@ -559,9 +569,9 @@ class Agent:
             self._claims_listed = time.monotonic()
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         with self._lock:
-            self._finished_pods = {uid: at for uid, at in self._finished_pods.items() if at >= cutoff}
-            self._ends_looked_at = {uid: n for uid, n in self._ends_looked_at.items() if uid in self._finished_pods}
-            self._unsettled_ends = {k: uid for k, uid in self._unsettled_ends.items() if uid in self._finished_pods}
+            self._ended = {uid: at for uid, at in self._ended.items() if at >= cutoff}
+            self._ends_looked_at = {uid: n for uid, n in self._ends_looked_at.items() if uid in self._ended}
+            self._unsettled_ends = {k: uid for k, uid in self._unsettled_ends.items() if uid in self._ended}
             self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
         self._settle_ended_claims()
 
@@ -576,7 +586,7 @@ class Agent:
         with self._lock:
             scan = list(self._ended_namespaces)
             self._ended_namespaces = {ns: n - 1 for ns, n in self._ended_namespaces.items() if n > 1}
-            finished = set(self._finished_pods)
+            finished = set(self._ended)
         for namespace in scan:
             try:
                 claims = self.cluster.list_claims(namespace)

@@ -181,11 +181,12 @@ def scrub_status(claim: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Container[str]) -> str | None:
+def release_reason(claim: dict[str, Any] | None, uid: str, ended: Container[str]) -> str | None:
     """Why the claim no longer holds its devices, or None while it does.
 
     Released: the claim is gone (or replaced by a new one of that name), deallocated, reserved for nobody,
-    or reserved only for pods that are terminal or deleted. A claim being deleted is not released by that: the
+    or reserved only for consumers that have ended (`ended`: UIDs of pods terminal or deleted, and of other
+    consumers, a PodGroup, deleted). A claim being deleted is not released by that: the
     API server only stops new reservations, and the pods already reserved keep running on its devices.
     """
     if claim is None:
@@ -199,10 +200,16 @@ def release_reason(claim: dict[str, Any] | None, uid: str, finished_pods: Contai
     consumers = [_dict(c) for c in _list(status.get("reservedFor"))]
     if not consumers:
         return "no longer reserved for any pod"
-    if all(c.get("resource") == "pods" and c.get("uid") in finished_pods for c in consumers):
-        pods = ", ".join(str(c.get("name")) for c in consumers)
-        return f"pod {pods} terminal or deleted"
+    if all(c.get("uid") in ended for c in consumers):
+        if all(c.get("resource") == "pods" and not c.get("apiGroup") for c in consumers):
+            return f"pod {', '.join(str(c.get('name')) for c in consumers)} terminal or deleted"
+        return f"{', '.join(_consumer(c) for c in consumers)} ended or deleted"
     return None
+
+
+def _consumer(ref: dict[str, Any]) -> str:
+    resource = f"{ref.get('resource')}.{ref.get('apiGroup')}" if ref.get("apiGroup") else str(ref.get("resource"))
+    return f"{resource} {ref.get('name')}"
 
 
 def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[str, Any]]:

@@ -78,6 +78,11 @@ class ClusterClient(Protocol):
         """The pod, or None when it does not exist."""
         ...
 
+    def get_consumer(self, namespace: str, api_group: str, resource: str, name: str) -> dict[str, Any] | None:
+        """A claim's consumer that is not a pod (a PodGroup), by its reservedFor entry: None when it does not
+        exist, or its API is not served at all."""
+        ...
+
     def list_node_slices(self, node: str) -> list[dict[str, Any]]:
         """The ResourceSlices that publish `node`'s devices."""
         ...
@@ -161,6 +166,7 @@ class KubernetesClusterClient:
         self.api = api_client
         self.request_timeout_s = request_timeout_s
         self._versions: dict[str, str | None] = {}
+        self._group_versions: dict[str, str | None] = {}  # API group -> its preferred version (None: not served)
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, connections: int | None = None) -> KubernetesClusterClient:
@@ -294,6 +300,22 @@ class KubernetesClusterClient:
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._call("GET", f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}")
+        except NotFound:
+            return None
+
+    def get_consumer(self, namespace: str, api_group: str, resource: str, name: str) -> dict[str, Any] | None:
+        if api_group not in self._group_versions:
+            try:
+                group = self._call("GET", f"/apis/{quote(api_group, safe='')}")
+            except NotFound:
+                group = {}
+            self._group_versions[api_group] = (group.get("preferredVersion") or {}).get("version")
+        version = self._group_versions[api_group]
+        if version is None:
+            return None  # no such API: no such consumer
+        path = f"/apis/{api_group}/{version}/namespaces/{quote(namespace, safe='')}/{quote(resource, safe='')}"
+        try:
+            return self._call("GET", f"{path}/{quote(name, safe='')}")
         except NotFound:
             return None
 

@@ -45,6 +45,8 @@ class InMemoryCluster:
         self.rules: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
+        # Consumers that are not pods (PodGroups), by (API group, resource, namespace, name)
+        self.consumers: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: list[str] = []
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
@@ -120,6 +122,12 @@ class InMemoryCluster:
                 if (p["metadata"]["namespace"], p["metadata"]["name"]) == (namespace, name)
             ]
             return copy.deepcopy(found[0]) if found else None
+
+    def get_consumer(self, namespace: str, api_group: str, resource: str, name: str) -> dict[str, Any] | None:
+        self._call("get_consumer", namespace, api_group, resource, name)
+        with self._lock:
+            found = self.consumers.get((api_group, resource, namespace, name))
+            return copy.deepcopy(found) if found else None
 
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         self._call("patch_claim", namespace, name, ops)

@@ -8,6 +8,7 @@ import logging
 import pytest
 from agent_support import DRIVER, NODE, make_node, recorded
 from scrubgate.policies import names
+from scrubgate.policies.attestation import check_claim_attestation
 from scrubgate.sanitizer_agent.checkpoint import State
 
 pytestmark = pytest.mark.timeout(60)
@@ -308,3 +309,38 @@ def test_a_claim_made_for_an_ended_pod_that_no_pod_event_names_loses_the_finaliz
     assert node.cluster.calls.count("list_claims") == lists, "no list of every claim in the cluster"
     assert node.cluster.calls.count("list_namespace_claims") == 1
     assert node.violations.found == []
+
+
+def test_a_claim_reserved_for_a_pod_group_is_released_once_the_group_is_gone(tmp_path):
+    """A claim shared through a PodGroup (1.36 workload API; SG002 allows it in single-tenant namespaces) is
+    reserved for the group, not its pods: its pods ending release nothing while the group exists; once the
+    group is deleted the agent asks the API, tears the claim down, and its attestation names the group (which
+    SG007 requires before the claim may go)."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    claim, pod = node.tenant("shared", [0])
+    group_key = ("scheduling.k8s.io", "podgroups", "team-a", "trainers")
+    node.cluster.consumers[group_key] = {"metadata": {"name": "trainers", "namespace": "team-a", "uid": "group-1"}}
+    with node.cluster._lock:
+        node.cluster.claims[("team-a", "shared")]["status"]["reservedFor"] = [
+            {"resource": "podgroups", "apiGroup": "scheduling.k8s.io", "name": "trainers", "uid": "group-1"}
+        ]
+    agent.observe_pod("ADDED", pod)
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    agent.resync()
+    node.settle(agent)
+    (td,) = agent.store.teardowns.values()
+    assert td.state == State.ALLOCATED and node.canary_present(0), "released while the group still holds it"
+
+    del node.cluster.consumers[group_key]  # the group is deleted
+    agent.resync()
+    node.settle(agent)
+    assert node.clean(0) and not agent.store.teardowns
+    after = node.cluster.claims[("team-a", "shared")]
+    assert names.FINALIZER not in after["metadata"]["finalizers"]
+    payload = check_claim_attestation(
+        after["metadata"]["annotations"][names.ANNOTATION_ATTESTATION], after, node.signer.public_keys
+    )
+    assert {"name": "trainers", "uid": "group-1"} in payload["consumers"]
+    assert claim["metadata"]["uid"] == payload["claim"]["uid"]

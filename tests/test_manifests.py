@@ -681,6 +681,7 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
         ("", "nodes", "patch"),
         ("", "events", "create"),
         ("events.k8s.io", "events", "create"),
+        ("scheduling.k8s.io", "podgroups", "get"),  # a claim reserved for a PodGroup is released when it is gone
     }
     assert grants(one(docs, "ClusterRole", "scrubgate-agent")) == expected
     binding = one(docs, "ClusterRoleBinding", "scrubgate-agent")
