@@ -91,6 +91,8 @@ class ScrubRecord(_Model):
     verified: bool
     method: str
     reason: str | None = None
+    scrub_on_free: bool | None = None
+    ecc_enabled: bool | None = None
 
 
 class FencedDevice(_Model):

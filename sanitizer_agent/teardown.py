@@ -745,6 +745,9 @@ class TeardownEngine:
                     "bytesUnreachable": d.scrub.bytes_unreachable if d.scrub else 0,
                     "method": d.scrub.method if d.scrub else "",
                     "verified": bool(d.scrub and d.scrub.verified),
+                    # Beyond the scrub's reach: the driver zeroing freed memory, and ECC (null: not readable).
+                    "scrubOnFree": d.scrub.scrub_on_free if d.scrub else None,
+                    "eccEnabled": d.scrub.ecc_enabled if d.scrub else None,
                 }
                 for d in td.devices
             ],

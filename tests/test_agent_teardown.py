@@ -48,6 +48,8 @@ def test_canary_written_by_a_tenant_is_gone_after_teardown(tmp_path, mig):
     # Coverage stated: the driver's reserve, and nothing out of the scrub's reach.
     assert payload["devices"][0]["bytesReserved"] == node.gpus[target].memory_reserved
     assert payload["devices"][0]["bytesUnreachable"] == 0
+    # Beyond the scrub's reach, stated: the simulated driver does not zero freed memory; ECC is on.
+    assert (payload["devices"][0]["scrubOnFree"], payload["devices"][0]["eccEnabled"]) == (False, True)
     assert payload["health"] == {"eccUncorrectable": 0, "remapPending": False, "xids": []}
     assert after["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_VERIFIED
     assert agent.store.teardowns == {}

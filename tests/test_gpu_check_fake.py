@@ -28,6 +28,9 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    params = out / "driver-params"  # a default driver: scrub-on-free on
+    out.mkdir(parents=True, exist_ok=True)
+    params.write_text('RegistryDwords: ""\n')
     done = subprocess.run(
         [
             sys.executable,
@@ -40,6 +43,7 @@ def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedPr
             f"--margin-bytes={4 * MiB}",
             "--rate-goal=0",  # the fake's rates are Python's, not a GPU's
             "--step-timeout=60",
+            f"--driver-params={params}",
             f"--out={out}",
             *extra,
         ],

@@ -39,8 +39,11 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 @pytest.fixture
-def open_nvml(node: Any) -> Any:
+def open_nvml(node: Any, tmp_path: Path) -> Any:
     opened: list[NvmlBackend] = []
+    # The kernel driver's parameters as a default install has them: scrub-on-free on.
+    params = tmp_path / "driver-params"
+    params.write_text('RegistryDwords: ""\n')
 
     def make(**options: Any) -> NvmlBackend:
         # Without the XID watch unless a test needs it: closing it waits out a poll of the event set.
@@ -53,6 +56,7 @@ def open_nvml(node: Any) -> Any:
             "max_unreachable_fraction": 0.1,
             "child_env": node.env,
             "watch_xids": False,
+            "params_path": params,
             **options,
         }
         backend = open_backend("nvml", **options)
@@ -410,6 +414,24 @@ def test_unreached_memory_with_scrub_on_free_off_fails_closed(node, open_nvml, t
     assert result.bytes_unreachable > 0 and result.bytes_scrubbed > 0
     params.write_text('RegistryDwords: "RMDisableScrubOnFree=0"\n')
     assert open_nvml(params_path=params).scrub(gpu["uuid"]).verified
+
+
+def test_unreached_memory_with_scrub_on_free_unknown_fails_closed(node, open_nvml, tmp_path):
+    """Where the driver's parameters cannot be read, nothing says the unreached memory was zeroed when it was
+    freed: the scrub does not count as verified."""
+    gpu = node.add_gpu(memory=32 * MiB)
+    result = open_nvml(params_path=tmp_path / "absent").scrub(gpu["uuid"])
+    assert not result.verified and "cannot be read" in result.reason and result.scrub_on_free is None
+
+
+def test_the_scrub_records_scrub_on_free_and_ecc_mode(node, open_nvml):
+    on = node.add_gpu(memory=32 * MiB)
+    off = node.add_gpu(memory=32 * MiB, eccMode=[0, 0])
+    unknown = node.add_gpu(memory=32 * MiB, eccMode=None)
+    backend = open_nvml()
+    found = {g["uuid"]: backend.scrub(g["uuid"]) for g in (on, off, unknown)}
+    assert all(r.verified and r.scrub_on_free is True for r in found.values())
+    assert [found[g["uuid"]].ecc_enabled for g in (on, off, unknown)] == [True, False, None]
 
 
 # ---------------------------------------------------------------- kernels: cubin, else PTX, else none

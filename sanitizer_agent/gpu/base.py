@@ -135,6 +135,11 @@ class ScrubResult:
     kernel_s: float | None = None
     # What verified: "cubin sm_90", "ptx" (the driver's JIT), or memset and read back without kernels.
     kernels: str | None = None
+    # Coverage beyond the scrub's own reach, recorded in the attestation: whether the kernel driver zeroes
+    # freed memory (what the scrub could not reach was freed by the driver before it) and whether the GPU
+    # runs with ECC (None: could not be read).
+    scrub_on_free: bool | None = None
+    ecc_enabled: bool | None = None
 
     @property
     def gbps(self) -> float:

@@ -315,6 +315,10 @@ class NvmlBackend:
         started = time.monotonic()
         entry = self._enumerate()[0].get(uuid)
 
+        disabled = self.scrub_on_free_disabled()
+        scrub_on_free = None if disabled is None else not disabled
+        ecc = self._ecc_enabled(entry.parent if entry is not None else None)
+
         def result(
             verified: bool,
             reason: str | None,
@@ -336,6 +340,8 @@ class NvmlBackend:
                 reason=reason,
                 kernel_s=kernel_s,
                 kernels=kernels,
+                scrub_on_free=scrub_on_free,
+                ecc_enabled=ecc,
             )
 
         if entry is None:
@@ -384,12 +390,15 @@ class NvmlBackend:
                 "are unverified"
             )
             return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
-        if unreachable and self.scrub_on_free_disabled():
-            reason = (
-                f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the "
-                "driver's), and the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them "
-                "before they are handed out again; remove RMDisableScrubOnFree from NVreg_RegistryDwords"
+        if unreachable and scrub_on_free is not True:
+            why = (
+                "the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them before they are "
+                "handed out again; remove RMDisableScrubOnFree from NVreg_RegistryDwords"
+                if scrub_on_free is False
+                else f"whether the kernel driver zeroes freed memory cannot be read ({self.params_path}), so "
+                "nothing says they were zeroed; mount the host's /proc/driver/nvidia into the agent"
             )
+            reason = f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the driver's), and {why}"
             return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         return result(True, None, total, reserved, scrubbed, kernel_s, kernels)
 
@@ -459,6 +468,16 @@ class NvmlBackend:
 
     def scrub_on_free_disabled(self) -> bool | None:
         return scrub_on_free_disabled(self.params_path)
+
+    def _ecc_enabled(self, gpu: Any) -> bool | None:
+        """The physical GPU's current ECC mode; None where NVML cannot say (no ECC on the model, a lost GPU)."""
+        if gpu is None:
+            return None
+        try:
+            current, _pending = self._nvml.nvmlDeviceGetEccMode(gpu)
+        except self._nvml.NVMLError:
+            return None
+        return current == self._nvml.NVML_FEATURE_ENABLED
 
     def mig_management_problem(self) -> str | None:
         """Why this process cannot create GPU instances, or None: the MIG config capability's device node

@@ -455,6 +455,8 @@ class SimulatedGpu:
             duration_s=time.perf_counter() - started,
             verified=True,
             method=METHOD,
+            scrub_on_free=self._scrub_on_free(),
+            ecc_enabled=True,  # the simulated GPUs count ECC errors (health)
         )
 
     def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
@@ -495,6 +497,8 @@ class SimulatedGpu:
             bytes_reserved=0,
             bytes_unreachable=0,
             duration_s=time.perf_counter() - started,
+            scrub_on_free=self._scrub_on_free(),
+            ecc_enabled=True,
             verified=not nonzero,
             method=METHOD,
             reason=f"verification found {nonzero} non-zero bytes in {parent} slices {placement.start}+{placement.size}"
@@ -504,6 +508,9 @@ class SimulatedGpu:
 
     def scrub_on_free_disabled(self) -> bool | None:
         return self._scrub_on_free_disabled
+
+    def _scrub_on_free(self) -> bool | None:
+        return None if self._scrub_on_free_disabled is None else not self._scrub_on_free_disabled
 
 
 _CHUNK = 1 << 20

@@ -126,6 +126,7 @@ class FakeNode:
                 "0": [8, 7, 128 << 20],
             },
             "ecc": 0,
+            "eccMode": [1, 1],  # current, pending (NVML_FEATURE_ENABLED); None: NOT_SUPPORTED
             "remappedRows": [0, 0, 0, 0],
             "recoveryAction": 0,
             "events": True,

@@ -23,6 +23,8 @@ from typing import Any
 import fakegpu
 
 NVML_SUCCESS = 0
+NVML_FEATURE_DISABLED = 0
+NVML_FEATURE_ENABLED = 1
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
@@ -331,6 +333,13 @@ def nvmlDeviceGetTotalEccErrors(handle: c_nvmlDevice_t, errorType: int, counterT
     if record.get("ecc") is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     return record["ecc"] if errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED else 0
+
+
+def nvmlDeviceGetEccMode(handle: c_nvmlDevice_t) -> list[int]:
+    record = _physical(handle, "nvmlDeviceGetEccMode")
+    if record.get("eccMode") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return list(record["eccMode"])
 
 
 def nvmlDeviceGetRemappedRows(device: c_nvmlDevice_t) -> tuple[int, int, int, int]:

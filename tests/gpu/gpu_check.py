@@ -286,6 +286,7 @@ class Check:
             "margin_bytes": args.margin_bytes,
             "max_unreachable_fraction": args.max_unreachable,
             "scrub_timeout_s": args.step_timeout,
+            "params_path": Path(args.driver_params),
         }
         xid_watch = "on"
         try:
@@ -437,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-unreachable", type=float, default=0.02, help="as the agent's --max-unreachable")
     parser.add_argument("--rate-goal", type=float, default=0.8, help="scrub rate / copy rate needed to pass")
     parser.add_argument("--step-timeout", type=float, default=150.0, help="seconds per step (and child process)")
+    parser.add_argument(
+        "--driver-params",
+        default="/proc/driver/nvidia/params",
+        help="the kernel driver's parameters (scrub-on-free), as the agent reads them",
+    )
     parser.add_argument("--total-timeout", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
     args = parser.parse_args(argv)
