@@ -334,6 +334,15 @@ def test_default_values_start_a_webhook_without_client_authentication(helm: str,
     assert "Client authentication is ON" in on.stdout
 
 
+def test_the_webhooks_are_sent_the_extended_resources_the_policy_counts_as_gpus(helm: str):
+    """A pod asking for another vendor's device never waits on scrubgate; one whose vendor the policy's
+    gpuExtendedResources names does, with the chart's values as with the base's defaults."""
+    docs = render(helm, "--set", "policy.gpuExtendedResources={nvidia.com/gpu,amd.com/gpu}")
+    for hook in webhooks(docs):
+        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "pod-spec-may-hold-a-gpu"]
+        assert "['amd.com/', 'deviceclass.resource.kubernetes.io/', 'nvidia.com/']" in condition["expression"]
+
+
 def test_cert_manager_source(helm: str):
     docs = render(helm, "--set", "certs.source=cert-manager")
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["scrubgate-audit-signing-key"]

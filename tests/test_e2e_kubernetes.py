@@ -28,7 +28,7 @@ from e2e_support import (
 from scrubgate.policies import names
 
 from devcluster import workloads
-from devcluster.harness import Cluster, wait_for
+from devcluster.harness import Cluster, denial, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -246,11 +246,27 @@ def test_with_the_webhook_down_gpu_pods_still_schedule_and_end(cluster: Cluster)
     ns = tenant_namespace(cluster, "outage")
     create_template(cluster, "alice", ns, "one-gpu")
     body = workloads.pod("gated", template="one-gpu", annotations=workloads.workload_annotations(canary=CANARY))
-    # Held until the outage: no node carries this label yet (a pod update would go to the webhook).
+    # Held until the outage: no node carries this label yet.
     body["spec"]["nodeSelector"] = {"scrubgate.test/outage": ns}
     cluster.core("alice").create_namespaced_pod(ns, body)
     name = wait_for(lambda: cluster.pod_claim(ns, "gated"), WAIT_S, "the pod's claim")  # created, mutated
     cluster.set_webhook_port(None)
+    # What no rule decides does not wait on the webhook: a GPU pod's label, another vendor's device.
+    relabel = {"metadata": {"labels": {"team": "a"}}}
+    pod_path = f"/api/v1/namespaces/{ns}/pods/gated"
+    cluster.request("PATCH", pod_path, relabel, user="alice", content_type="application/merge-patch+json")
+    container = {"name": "c", "image": "example.com/fpga-job", "resources": {"limits": {"example.com/fpga": "1"}}}
+    fpga = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fpga"}, "spec": {"containers": [container]}}
+    cluster.core("alice").create_namespaced_pod(ns, fpga)
+    # What a rule decides does: a toleration added to a GPU pod (SG005) is refused while it is down.
+    tolerate = {"spec": {"tolerations": [{"key": "scrubgate.dev/unsanitized", "operator": "Exists"}]}}
+    status, message = denial(
+        lambda: cluster.request(
+            "PATCH", pod_path, tolerate, user="alice", content_type="application/strategic-merge-patch+json"
+        )
+    )
+    assert status == 500 and "failed calling webhook" in message, message
+    cluster.core("alice").delete_namespaced_pod("fpga", ns)
     label = {"metadata": {"labels": {"scrubgate.test/outage": ns}}}
     path = f"/api/v1/nodes/{cluster.node}"
     cluster.request("PATCH", path, label, content_type="application/merge-patch+json")

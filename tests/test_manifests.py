@@ -447,13 +447,34 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
     for claims in (True, False):
         yield f"pod CREATE claims={claims}", admission("", "pods", "CREATE", workload("pods", claims), None), claims
         pod = workload("pods", claims)
-        yield f"pod UPDATE claims={claims}", admission("", "pods", "UPDATE", pod, pod), claims
+        # An UPDATE only when the pod spec changes (a toleration added): not a label, nor the Job controller's
+        # finalizer removal.
+        yield f"pod UPDATE of metadata claims={claims}", admission("", "pods", "UPDATE", pod, pod), False
+        tolerating = {**pod, "spec": {**pod["spec"], "tolerations": [{"operator": "Exists"}]}}
+        yield (
+            f"pod UPDATE adding a toleration claims={claims}",
+            admission("", "pods", "UPDATE", tolerating, pod),
+            claims,
+        )
         for group, resource in WORKLOADS:
-            for op in ("CREATE", "UPDATE"):
-                obj = workload(resource, claims)
-                old = None if op == "CREATE" else obj
-                yield f"{resource} {op} claims={claims}", admission(group, resource, op, obj, old), claims
-    # KEP-5004: an extended resource is sent whatever its name (the policy tells GPUs from the rest).
+            obj = workload(resource, claims)
+            yield f"{resource} CREATE claims={claims}", admission(group, resource, "CREATE", obj, None), claims
+            yield f"{resource} UPDATE unchanged claims={claims}", admission(group, resource, "UPDATE", obj, obj), False
+            changed = copy.deepcopy(obj)
+            spec = (
+                changed["template"]["spec"]
+                if resource == "podtemplates"
+                else changed["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+                if resource == "cronjobs"
+                else changed["spec"]["template"]["spec"]
+            )
+            spec["terminationGracePeriodSeconds"] = 0
+            yield (
+                f"{resource} UPDATE of the pod template claims={claims}",
+                admission(group, resource, "UPDATE", changed, obj),
+                claims,
+            )
+    # KEP-5004: an extended resource of a GPU vendor's domain is sent (the policy tells GPUs from the rest).
     for name, pod, expected in [
         ("nvidia.com/gpu limits", extended_pod("nvidia.com/gpu"), True),
         (
@@ -463,6 +484,8 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
         ),
         ("init container", extended_pod("nvidia.com/gpu", init=True), True),
         ("cpu and memory only", extended_pod("memory"), False),
+        # Another vendor's device: the pod does not wait on scrubgate (outage blast radius).
+        ("another vendor's extended resource", extended_pod("example.com/fpga"), False),
     ]:
         yield f"pod CREATE {name}", admission("", "pods", "CREATE", pod, None), expected
         template = workload("deployments", False)
