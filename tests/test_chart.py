@@ -343,6 +343,45 @@ def test_the_webhooks_are_sent_the_extended_resources_the_policy_counts_as_gpus(
         assert "['amd.com/', 'deviceclass.resource.kubernetes.io/', 'nvidia.com/']" in condition["expression"]
 
 
+def test_the_knobs_platform_teams_expect(helm: str, default: list[Doc]):
+    """Pod annotations, labels, pull secrets and priority class on every pod; the webhook's scheduling; the
+    agent's nodeSelector replacing (not merging with) the GPU label; the kubelet's plugins path; monitoring
+    labels and the dashboard's namespace; a NetworkPolicy; no PodDisruptionBudget for a single replica."""
+    docs = render(
+        helm,
+        "--set",
+        "podAnnotations.team=gpu,podLabels.tier=infra,imagePullSecrets[0].name=regcred,priorityClassName=system-node-critical,"
+        "webhook.nodeSelector.pool=system,webhook.tolerations[0].key=dedicated,webhook.tolerations[0].operator=Exists,"
+        "agent.nodeSelector.accelerator=h200,agent.kubeletPluginsPath=/data/kubelet/plugins,"
+        "metrics.enabled=true,metrics.labels.release=kube-prometheus-stack,metrics.dashboardNamespace=grafana,"
+        "networkPolicy.enabled=true,webhook.replicas=1",
+    )
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    assert set(pods) == {"scrubgate-webhook", "scrubgate-agent", "scrubgate-reports"}
+    for template in pods.values():
+        assert (
+            template["metadata"]["annotations"]["team"] == "gpu" and template["metadata"]["labels"]["tier"] == "infra"
+        )
+        assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert template["spec"]["priorityClassName"] == "system-node-critical"
+    webhook = pods["scrubgate-webhook"]["spec"]
+    assert webhook["nodeSelector"] == {"pool": "system"} and webhook["tolerations"] == [
+        {"key": "dedicated", "operator": "Exists"}
+    ]
+    agent = pods["scrubgate-agent"]["spec"]
+    assert agent["nodeSelector"] == {"accelerator": "h200"}, "replaces the GPU label default"
+    checkpoint = next(v for v in agent["volumes"] if v["name"] == "nvidia-checkpoint")
+    assert checkpoint["hostPath"]["path"] == "/data/kubelet/plugins/gpu.nvidia.com"
+    for kind in ("PodMonitor", "PrometheusRule"):
+        assert all(d["metadata"]["labels"]["release"] == "kube-prometheus-stack" for d in docs if d["kind"] == kind)
+    assert one(docs, "ConfigMap", "scrubgate-dashboard")["metadata"]["namespace"] == "grafana"
+    policy = one(docs, "NetworkPolicy", "scrubgate")["spec"]
+    assert [p["port"] for p in policy["ingress"][0]["ports"]] == [8443] and "from" not in policy["ingress"][0]
+    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"], "a PDB of one replica blocks every drain"
+    assert [d for d in default if d["kind"] == "PodDisruptionBudget"], "two replicas keep theirs"
+    assert not [d for d in default if d["kind"] == "NetworkPolicy"]
+
+
 def test_cert_manager_source(helm: str):
     docs = render(helm, "--set", "certs.source=cert-manager")
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["scrubgate-audit-signing-key"]
@@ -472,7 +511,7 @@ def test_agent_values(helm: str):
     base_pod = one(render(helm), "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
     pod = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
     assert "runtimeClassName" not in pod and base_pod["runtimeClassName"] == "nvidia"
-    assert pod["nodeSelector"] == {"gpu": "yes", "nvidia.com/gpu.present": "true"}
+    assert pod["nodeSelector"] == {"gpu": "yes"}  # replaces the GPU label, not merged with it
     assert pod["tolerations"] == [*base_pod["tolerations"], {"key": "dedicated", "operator": "Exists"}]
     container = pod["containers"][0]
     assert container["args"][container["args"].index("--gpu-backend") + 1] == "simulated"

@@ -24,6 +24,7 @@ def _object(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
 STRING = {"type": "string"}
 BOOL = {"type": "boolean"}
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+OBJECTS = {"type": "array", "items": {"type": "object"}}
 QUANTITY = {"type": ["string", "number"]}
 RESOURCES = _object(
     {
@@ -55,6 +56,10 @@ def build() -> dict[str, Any]:
                     {"repository": STRING, "tag": STRING, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}
                 ),
                 "namespace": _object({"create": BOOL}),
+                "podAnnotations": STRING_MAP,
+                "podLabels": STRING_MAP,
+                "imagePullSecrets": {"type": "array", "items": _object({"name": STRING}, required=["name"])},
+                "priorityClassName": STRING,
                 "policy": policy,
                 "webhook": _object(
                     {
@@ -63,6 +68,10 @@ def build() -> dict[str, Any]:
                         "resources": RESOURCES,
                         "url": {"type": "string", "pattern": "^(https://.+)?$"},
                         "clientCA": STRING,
+                        "nodeSelector": STRING_MAP,
+                        "tolerations": OBJECTS,
+                        "affinity": {"type": "object"},
+                        "topologySpreadConstraints": OBJECTS,
                         "audit": _object(
                             {
                                 "maxBytes": {"type": ["integer", "null"], "minimum": 1024},
@@ -97,13 +106,19 @@ def build() -> dict[str, Any]:
                         "runtimeClassName": STRING,
                         "gpuBackend": {"enum": ["nvml", "simulated"]},
                         "nodeSelector": STRING_MAP,
-                        "extraTolerations": {"type": "array", "items": {"type": "object"}},
+                        "extraTolerations": OBJECTS,
+                        "kubeletPluginsPath": {"type": "string", "pattern": "^/"},
                         "signingKeySecret": {"type": "string", "minLength": 1},
                         "resources": RESOURCES,
                     }
                 ),
                 "reports": _object({"enabled": BOOL, "interval": DURATION, "resources": RESOURCES}),
-                "metrics": _object({"enabled": BOOL, "dashboardLabels": STRING_MAP}),
+                "metrics": _object(
+                    {"enabled": BOOL, "labels": STRING_MAP, "dashboardLabels": STRING_MAP, "dashboardNamespace": STRING}
+                ),
+                "networkPolicy": _object(
+                    {"enabled": BOOL, "apiServer": OBJECTS, "metricsNamespaceSelector": {"type": "object"}}
+                ),
             }
         ),
         "$defs": definitions,
