@@ -234,6 +234,7 @@ def test_the_render_is_the_kustomize_base(helm: str, tmp_path: Path):
     # Secret it generates and, with reports.enabled, the reports Deployment, its RBAC and CRDs.
     assert set(base) - set(chart) == {("Namespace", NAMESPACE)}
     assert {kind for kind, _ in set(chart) - set(base)} <= {
+        "Pod",  # helm test's
         "Secret",
         "Deployment",
         "ServiceAccount",
@@ -380,6 +381,16 @@ def test_the_knobs_platform_teams_expect(helm: str, default: list[Doc]):
     assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"], "a PDB of one replica blocks every drain"
     assert [d for d in default if d["kind"] == "PodDisruptionBudget"], "two replicas keep theirs"
     assert not [d for d in default if d["kind"] == "NetworkPolicy"]
+
+
+def test_helm_test_asks_the_webhook_through_its_service(helm: str):
+    docs = render(helm, "--namespace", "gpu-guard")
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert "https://{host}/readyz" in pod["spec"]["containers"][0]["args"][0]
+    assert 'host = "scrubgate-webhook.gpu-guard.svc"' in pod["spec"]["containers"][0]["args"][0]
+    kubernetes_validate.validate(pod, kubernetes_validate.utils.latest_version(), strict=True)
+    assert not [d for d in render(helm, "--set", "webhook.deploy=false") if d["kind"] == "Pod"]
 
 
 def test_cert_manager_source(helm: str):
