@@ -85,12 +85,53 @@ class AgentMetrics:
         return generate_latest(self.registry)
 
 
+# A scrape or probe connection that sends nothing is closed after this long, and at most this many are served
+# at once (each holds a thread): idle connections to /metrics cannot pile up threads.
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 32
+
+
+class BoundedThreadingHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, as ThreadingHTTPServer, but at most `max_connections` of them: one more is
+    closed at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve(
-    metrics: AgentMetrics, healthy: Callable[[], tuple[bool, str]], address: str, port: int
+    metrics: AgentMetrics,
+    healthy: Callable[[], tuple[bool, str]],
+    address: str,
+    port: int,
+    *,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> ThreadingHTTPServer:
     """Serves `/metrics` and `/healthz` from a daemon thread; `server.server_address` has the bound port."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = idle_timeout_s  # the socket's: a connection that sends nothing ends
+
         def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._reply(200, metrics.render(), CONTENT_TYPE_LATEST)
@@ -110,7 +151,6 @@ def serve(
         def log_message(self, format: str, *args: object) -> None:  # scrapes every few seconds: no access log
             pass
 
-    server = ThreadingHTTPServer((address, port), Handler)
-    server.daemon_threads = True
+    server = BoundedThreadingHTTPServer((address, port), Handler, max_connections)
     threading.Thread(target=server.serve_forever, name="agent-metrics", daemon=True).start()
     return server

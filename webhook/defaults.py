@@ -20,3 +20,10 @@ MAX_FINDINGS_SHOWN: Final = 20
 # that awaits its attestation) is recorded once in this window, and counted every time.
 REPEAT_WINDOW_S: Final = 3600.0
 REPEAT_KEYS: Final = 8192
+# A request must arrive in full this long after its connection opens or the last answer: a slow body, or a
+# connection that sends nothing (no client certificate needed to open one), would otherwise hold its memory
+# and its slot forever. The API server sends a whole review at once.
+REQUEST_READ_TIMEOUT_S: Final = 10.0
+# Connections and requests in flight at once; beyond, new requests get a 503 (the API server retries within its
+# webhook timeout) rather than the replica running out of memory.
+MAX_CONNECTIONS: Final = 1000

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
 from scrubgate.policies.attestation import rfc3339
 from scrubgate.policies.config import PolicyError
@@ -63,12 +64,49 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 class VerifiedClientH11Protocol(H11Protocol):
     """Marks each request of a connection whose client certificate verified against --client-ca (the
-    TLS layer asks for one but lets probes through without); the app requires the mark on admission paths."""
+    TLS layer asks for one but lets probes through without); the app requires the mark on admission paths.
+    A request must arrive in full within `read_timeout_s` of the connection's opening or of the last answer,
+    or the connection is closed (slow bodies, connections that send nothing)."""
+
+    read_timeout_s = defaults.REQUEST_READ_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if transport.get_extra_info("peercert"):
             self.app_state = {**self.app_state, CLIENT_VERIFIED: True}
+        self._read_deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _too_slow(self) -> None:
+        if not self.transport.is_closing():
+            log.warning(
+                "closing a connection from %s: no complete request within %.0fs",
+                (self.client or ("?",))[0],
+                self.read_timeout_s,
+            )
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+            self._disarm()  # the request is in: what follows is the answer's, then keep-alive's, time
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
 
 def build_server(app: Any, context: ssl.SSLContext, host: str, port: int) -> uvicorn.Server:
@@ -79,6 +117,7 @@ def build_server(app: Any, context: ssl.SSLContext, host: str, port: int) -> uvi
         port=port,
         ssl_context_factory=lambda _config, _default: context,
         http=VerifiedClientH11Protocol,
+        limit_concurrency=defaults.MAX_CONNECTIONS,
         workers=1,
         log_config=None,
         access_log=False,
