@@ -545,6 +545,21 @@ def test_a_deleted_dynamic_mig_device_is_scrubbed_through_a_gpu_instance_at_its_
     assert [(g["start"], g["size"]) for g in after["gis"]] == [(4, 1)], "the scrub's GPU instance is destroyed"
     assert [m["uuid"] for m in after["migs"]] == [neighbour["uuid"]]
     assert canary_bytes(node, neighbour["uuid"]) == neighbour["memory"], "the neighbour is untouched"
+    assert after["migMode"] == 1, "another MIG device is there: MIG stays on"
+
+
+def test_the_last_scratch_instance_leaves_the_gpu_out_of_mig_mode_as_the_driver_would(node, open_nvml):
+    """NVIDIA's driver turns MIG off when it deletes a MIG device and finds none left: here it found the scrub's
+    GPU instance (the other tenant's device was deleted while it stood), so the scrub turns MIG off after it,
+    or the next whole-GPU tenant would get a GPU CUDA cannot use as a whole."""
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "19", start=1)
+    node.fill(tenant["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])
+    assert gpu_record(gpu["uuid"])["migMode"] == 1 and not gpu_record(gpu["uuid"])["gis"]
+    assert open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1)).verified
+    after = gpu_record(gpu["uuid"])
+    assert after["migMode"] == 0 and not after["gis"]
 
 
 def test_a_mig_device_not_yet_unprepared_is_scrubbed_through_itself(node, open_nvml):

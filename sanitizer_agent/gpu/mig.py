@@ -11,6 +11,7 @@ capability: root in the host's view, or read access to `/proc/driver/nvidia/capa
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .base import GpuError, MigPlacement
+
+log = logging.getLogger(__name__)
 
 MIG_CONFIG_CAPABILITY = Path("/proc/driver/nvidia/capabilities/mig/config")
 CAPS_DEVICE_DIR = Path("/dev/nvidia-caps")
@@ -116,6 +119,26 @@ def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[s
         yield uuid
     finally:
         _destroy(nvml, gi, ci, where)
+        _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+
+
+def _mig_off_if_empty(nvml: Any, gpu: Any, uuid: str) -> None:
+    """Leaves the GPU as NVIDIA's DRA driver would have: with dynamic MIG it turns MIG mode off when it deletes
+    a MIG device and finds none left, and it may have found ours. A GPU left in MIG mode with no MIG device is
+    one the next whole-GPU tenant cannot use. A GPU instance someone else has (mid-prepare) keeps it on."""
+    try:
+        if live_instances(nvml, gpu) or nvml.nvmlDeviceGetMigMode(gpu)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
+            return
+        nvml.nvmlDeviceSetMigMode(gpu, nvml.NVML_DEVICE_MIG_DISABLE)
+    except nvml.NVMLError as exc:
+        if getattr(exc, "value", None) == nvml.NVML_ERROR_IN_USE:
+            return  # a GPU instance appeared meanwhile: MIG stays on, as the driver would leave it
+        raise GpuError(
+            f"NVML cannot turn MIG mode off on {uuid}, which the scrub left with no MIG device: {exc}; turn it off "
+            "(nvidia-smi -i <gpu> -mig 0) before a whole-GPU claim gets it",
+            uuid,
+        ) from exc
+    log.info("GPU %s: MIG mode off, as NVIDIA's driver leaves a GPU with no MIG device", uuid)
 
 
 def _compute_instance(nvml: Any, gi: Any, where: str) -> Any:

@@ -276,6 +276,18 @@ def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]:
     return [record["migMode"], record["migMode"]]
 
 
+def nvmlDeviceSetMigMode(device: c_nvmlDevice_t, mode: int) -> int:
+    """As Hopper does: at once (no reset) where no GPU instance is left; IN_USE otherwise."""
+    record = _physical(device, "nvmlDeviceSetMigMode")
+    if record.get("migMode") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if record["gis"]:
+        raise NVMLError(NVML_ERROR_IN_USE)
+    record["migMode"] = mode
+    _save_gpu(record)
+    return NVML_SUCCESS
+
+
 def nvmlDeviceGetMaxMigDeviceCount(device: c_nvmlDevice_t) -> int:
     record = _physical(device, "nvmlDeviceGetMaxMigDeviceCount")
     if record.get("migMode") is None:
