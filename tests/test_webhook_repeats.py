@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from scrubgate.policies import names
 from scrubgate.webhook.repeats import RepeatedRefusals
 from test_webhook_deallocation import deallocation_review
-from webhook_support import AGENT_KEYS, allocated_claim, audit_records, post_review, review, serving, with_changes
+from webhook_support import (
+    AGENT_KEYS,
+    allocated_claim,
+    audit_records,
+    gpu_claim,
+    post_review,
+    review,
+    serving,
+    with_changes,
+)
 
 CONTROLLER = {
     "username": "system:serviceaccount:kube-system:resource-claim-controller",
@@ -98,4 +108,20 @@ def test_repeated_refusals_of_the_object_itself_are_each_recorded(webhook):
     for _ in range(3):
         body = review(released, operation="UPDATE", old=held)
         assert post_review(webhook, "/validate", body)["allowed"] is False
+    assert len(audit_records(webhook)) == 3
+
+
+def test_a_flood_of_refused_dry_runs_is_recorded_once_and_all_counted(webhook):
+    """One tenant's dry runs (they change nothing) refused for the same reason, under any object name, are one
+    record and a count: tens of thousands of them would otherwise roll the audit log over. The same refusal for
+    real is still recorded each time."""
+    for i in range(30):
+        claim = gpu_claim(name=f"probe-{i}", annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
+        assert post_review(webhook, "/validate", review(claim, dry_run=True))["allowed"] is False
+    records = audit_records(webhook)
+    assert len(records) == 1 and records[0]["dryRun"] is True
+    assert metric(webhook, "scrubgate_webhook_audit_repeats_unrecorded_total") == 29
+    real = gpu_claim(name="for-real", annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})
+    for _ in range(2):
+        assert post_review(webhook, "/validate", review(real))["allowed"] is False
     assert len(audit_records(webhook)) == 3

@@ -5,6 +5,8 @@ until the agent's attestation is on the claim: a dozen identical refusals per re
 nothing an auditor learns from beyond the first. A refused status write is a repeat when the same user made the
 same request (apiVersion, kind, operation) on the same object (its UID) with the same findings, within the
 window; a repeat is counted, not recorded, and the next record of that refusal says how many were left out.
+So is a refused dry run (which changes nothing) of the same user, kind and operation in the same namespace with
+the same findings, whatever the object's name: a flood of them would otherwise roll the audit log over.
 Refusals of anything else are all recorded. The table is bounded: the oldest
 entries go first, after which their refusal is recorded again (more records, never fewer).
 """
@@ -23,16 +25,20 @@ from .review import AdmissionRequest
 
 
 def refusal_key(request: AdmissionRequest, findings: Sequence[Finding]) -> bytes | None:
-    """What makes two refusals of a status write the same, as a digest (of the findings a record shows, and
-    their number); None for any other request, which is always recorded: a person's attempts on the object
-    itself are each worth a record."""
+    """What makes two refusals of a status write, or two refused dry runs, the same, as a digest (of the findings
+    a record shows, and their number); None for any other request, which is always recorded: a person's
+    attempts on the object itself are each worth a record."""
     meta = (request.old_object or {}).get("metadata") or {}
     uid = meta.get("uid")
-    if not uid or request.sub_resource != "status":
+    if request.dry_run:
+        key = ["dry-run", request.namespace, request.api_version, request.kind_name, request.operation]
+        key += [request.sub_resource, request.username, request.groups]
+    elif uid and request.sub_resource == "status":
+        key = [uid, request.api_version, request.kind_name, request.operation, request.sub_resource]
+        key += [request.username, request.groups]
+    else:
         return None
     shown = [(f.rule, f.action, f.path, f.message) for f in findings[:MAX_FINDINGS_SHOWN]]
-    key = [uid, request.api_version, request.kind_name, request.operation, request.sub_resource]
-    key += [request.username, request.groups, request.dry_run]
     return hashlib.blake2b(repr((*key, shown, len(findings))).encode(), digest_size=16).digest()
 
 
