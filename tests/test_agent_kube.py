@@ -46,11 +46,11 @@ def test_release_reasons():
     assert claims.release_reason({**claim, "status": {"allocation": {"x": 1}}}, "u1", set()) == (
         "no longer reserved for any pod"
     )
-    other = {"resource": "jobs", "name": "j", "uid": "p1"}
-    assert (
-        claims.release_reason({**claim, "status": {"allocation": {"x": 1}, "reservedFor": [other]}}, "u1", {"p1"})
-        is None
-    )
+    # A consumer that is not a pod (a PodGroup) holds the claim until the agent has found it gone.
+    group = {"resource": "podgroups", "apiGroup": "scheduling.k8s.io", "name": "g", "uid": "g1"}
+    held_by_group = {**claim, "status": {"allocation": {"x": 1}, "reservedFor": [group]}}
+    assert claims.release_reason(held_by_group, "u1", {"p1"}) is None
+    assert claims.release_reason(held_by_group, "u1", {"g1"}) == "podgroups.scheduling.k8s.io g ended or deleted"
 
 
 def test_slice_devices_read_every_shape():
