@@ -669,6 +669,7 @@ class Cluster:
             "-f", str(REPO_ROOT / "charts" / "scrubgate" / "values-local.yaml"),
             "--set", f"webhook.url=https://127.0.0.1:{self.service_port}",
             "--set-file", f"certs.provided.caBundle={self.paths.certs / 'ca.crt'}",
+            "--set", "reports.installCRDs=true",  # no policy engine here brings them
             "-f", str(keys),
         )  # fmt: skip
 

@@ -11,6 +11,7 @@ without one add no `pass` result, so that a report stays the size of what needs 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,7 +21,6 @@ from scrubgate.policies.engine import Finding
 
 from .check import CheckResult, namespace_of
 
-API_VERSION = "wgpolicyk8s.io/v1alpha2"
 REPORT_NAME = "scrubgate"
 SOURCE = "scrubgate"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "scrubgate"}
@@ -29,6 +29,25 @@ CATEGORY = "GPU isolation"
 RESULT = {"deny": "fail", "warn": "warn", "audit": "fail"}
 SEVERITY = {"deny": "high", "warn": "medium", "audit": "low"}
 CLUSTER_SCOPE = ""
+
+
+@dataclass(frozen=True)
+class ReportKinds:
+    """One of the two report APIs policy engines write: wgpolicyk8s.io's PolicyReports (Kyverno before 1.15,
+    Kubewarden) and openreports.io's Reports (Kyverno 1.15 and later), whose results have the same fields."""
+
+    api_version: str
+    kind: str
+    cluster_kind: str
+    plural: str
+    cluster_plural: str
+
+
+WGPOLICY = ReportKinds(
+    "wgpolicyk8s.io/v1alpha2", "PolicyReport", "ClusterPolicyReport", "policyreports", "clusterpolicyreports"
+)
+OPENREPORTS = ReportKinds("openreports.io/v1alpha1", "Report", "ClusterReport", "reports", "clusterreports")
+REPORT_APIS = {"wgpolicyk8s.io": WGPOLICY, "openreports.io": OPENREPORTS}
 
 
 def _result(finding: Finding, obj: dict[str, Any], moment: datetime) -> dict[str, Any]:
@@ -63,21 +82,24 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, int]:
     return summary
 
 
-def report(namespace: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The PolicyReport of `namespace`, or the ClusterPolicyReport for CLUSTER_SCOPE."""
+def report(namespace: str, results: list[dict[str, Any]], kinds: ReportKinds = WGPOLICY) -> dict[str, Any]:
+    """The report of `namespace`, or the cluster-wide report for CLUSTER_SCOPE."""
     metadata: dict[str, Any] = {"name": REPORT_NAME, "labels": dict(MANAGED_BY)}
     if namespace != CLUSTER_SCOPE:
         metadata["namespace"] = namespace
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "PolicyReport" if namespace != CLUSTER_SCOPE else "ClusterPolicyReport",
+    body: dict[str, Any] = {
+        "apiVersion": kinds.api_version,
+        "kind": kinds.kind if namespace != CLUSTER_SCOPE else kinds.cluster_kind,
         "metadata": metadata,
-        "results": results,
-        "summary": _summary(results),
     }
+    if kinds is OPENREPORTS:
+        body["source"] = SOURCE  # openreports.io names the report's one engine at the top as well
+    return {**body, "results": results, "summary": _summary(results)}
 
 
-def build_reports(result: CheckResult, now: datetime | None = None) -> dict[str, dict[str, Any]]:
+def build_reports(
+    result: CheckResult, now: datetime | None = None, kinds: ReportKinds = WGPOLICY
+) -> dict[str, dict[str, Any]]:
     """Namespace ("" for the cluster) -> its report, for every namespace with a finding; the
     ClusterPolicyReport is always there, so that a reader sees the scan ran."""
     moment = now or datetime.now(UTC)
@@ -89,7 +111,7 @@ def build_reports(result: CheckResult, now: datetime | None = None) -> dict[str,
         for finding in checked.findings:
             by_namespace[namespace].append(_result(finding, obj, moment))
     by_namespace.setdefault(CLUSTER_SCOPE, [])
-    return {namespace: report(namespace, results) for namespace, results in sorted(by_namespace.items())}
+    return {namespace: report(namespace, results, kinds) for namespace, results in sorted(by_namespace.items())}
 
 
 def _namespaced(obj: dict[str, Any]) -> bool:

@@ -29,22 +29,22 @@ from urllib.parse import quote
 from scrubgate.policies.config import PolicyConfig, PolicyError, load_policy
 
 from .cluster import Api, ApiError, KubeApi, Snapshot, check_snapshot, list_all, read_cluster
-from .policyreport import API_VERSION, CLUSTER_SCOPE, MANAGED_BY, REPORT_NAME, build_reports
+from .policyreport import CLUSTER_SCOPE, MANAGED_BY, REPORT_APIS, REPORT_NAME, WGPOLICY, ReportKinds, build_reports
 
 log = logging.getLogger(__name__)
 
-GROUP_PATH = f"/apis/{API_VERSION}"
 SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
 
 
-def report_path(namespace: str) -> str:
+def report_path(namespace: str, kinds: ReportKinds = WGPOLICY) -> str:
+    group = f"/apis/{kinds.api_version}"
     if namespace == CLUSTER_SCOPE:
-        return f"{GROUP_PATH}/clusterpolicyreports/{REPORT_NAME}"
-    return f"{GROUP_PATH}/namespaces/{quote(namespace, safe='')}/policyreports/{REPORT_NAME}"
+        return f"{group}/{kinds.cluster_plural}/{REPORT_NAME}"
+    return f"{group}/namespaces/{quote(namespace, safe='')}/{kinds.plural}/{REPORT_NAME}"
 
 
-def _collection(namespace: str) -> str:
-    return report_path(namespace).rsplit("/", 1)[0]
+def _collection(namespace: str, kinds: ReportKinds) -> str:
+    return report_path(namespace, kinds).rsplit("/", 1)[0]
 
 
 def _without_time(result: Mapping[str, Any]) -> str:
@@ -61,17 +61,18 @@ def _keep_first_seen(new: dict[str, Any], old: Mapping[str, Any] | None) -> None
         result["timestamp"] = seen.get(_without_time(result), result["timestamp"])
 
 
-def write_reports(api: Api, reports: Mapping[str, dict[str, Any]]) -> dict[str, str]:
+def write_reports(api: Api, reports: Mapping[str, dict[str, Any]], kinds: ReportKinds = WGPOLICY) -> dict[str, str]:
     """Creates, updates or deletes scrubgate's reports so that they are `reports`; returns
     namespace -> what was done (created, updated, unchanged, deleted)."""
     try:
-        listed = list_all(api, f"{GROUP_PATH}/policyreports", query={"labelSelector": SELECTOR})[0]
+        listed = list_all(api, f"/apis/{kinds.api_version}/{kinds.plural}", query={"labelSelector": SELECTOR})[0]
     except ApiError as exc:
         if exc.status != 404:
             raise
         raise ApiError(
-            f"{exc}: the cluster serves no {API_VERSION} PolicyReports; install the CRDs "
-            "(manifests/components/reports/crds.yaml, or the chart, which ships them)",
+            f"{exc}: the cluster serves no {kinds.api_version} {kinds.kind}s; install their CRDs (a policy engine such "
+            "as Kyverno ships them; for wgpolicyk8s.io also manifests/components/reports/crds.yaml, or the chart's "
+            "reports.installCRDs), or write the other API with --api",
             404,
         ) from None
     existing = {
@@ -80,7 +81,7 @@ def write_reports(api: Api, reports: Mapping[str, dict[str, Any]]) -> dict[str, 
         if (item.get("metadata") or {}).get("name") == REPORT_NAME
     }
     try:
-        existing[CLUSTER_SCOPE] = api.request("GET", report_path(CLUSTER_SCOPE))
+        existing[CLUSTER_SCOPE] = api.request("GET", report_path(CLUSTER_SCOPE, kinds))
     except ApiError as exc:
         if exc.status != 404:
             raise
@@ -89,28 +90,30 @@ def write_reports(api: Api, reports: Mapping[str, dict[str, Any]]) -> dict[str, 
         old = existing.get(namespace)
         _keep_first_seen(wanted, old)
         if old is None:
-            api.request("POST", _collection(namespace), body=wanted)
+            api.request("POST", _collection(namespace, kinds), body=wanted)
             done[namespace] = "created"
         elif (old.get("results") or []) == wanted["results"] and old.get("summary") == wanted["summary"]:
             done[namespace] = "unchanged"
         else:
             body = {**wanted, "metadata": {**wanted["metadata"], "resourceVersion": old["metadata"]["resourceVersion"]}}
-            api.request("PUT", report_path(namespace), body=body)
+            api.request("PUT", report_path(namespace, kinds), body=body)
             done[namespace] = "updated"
     for namespace in existing.keys() - reports.keys():
-        api.request("DELETE", report_path(namespace))
+        api.request("DELETE", report_path(namespace, kinds))
         done[namespace] = "deleted"
     return done
 
 
-def reconcile(api: Api, policy: PolicyConfig, snapshot: Snapshot | None = None) -> tuple[Snapshot, dict[str, str]]:
+def reconcile(
+    api: Api, policy: PolicyConfig, snapshot: Snapshot | None = None, kinds: ReportKinds = WGPOLICY
+) -> tuple[Snapshot, dict[str, str]]:
     """One round: read (unless given what was read), check, write. The end-to-end tests call it against the
     real control plane."""
     if snapshot is None:
         snapshot = read_cluster(api)
         for note in snapshot.notes:
             log.warning("reports: %s", note)
-    return snapshot, write_reports(api, build_reports(check_snapshot(snapshot, policy)))
+    return snapshot, write_reports(api, build_reports(check_snapshot(snapshot, policy), kinds=kinds), kinds)
 
 
 class Mirror:
@@ -198,6 +201,7 @@ def run_rounds(
     *,
     quiet_s: float = 10.0,
     changed: threading.Event | None = None,
+    kinds: ReportKinds = WGPOLICY,
 ) -> None:
     """A full list every `interval_s` (and after a watch broke off); between them, the reports are written again
     from the mirror a short quiet period after a change (a rollout's burst: one write). `changed` wakes the
@@ -213,7 +217,7 @@ def run_rounds(
             if mirror is not None and not done.is_set() and time.monotonic() < next_list:
                 held = mirror.snapshot()
             changed.clear()
-            snapshot, done_writes = reconcile(api, policy, held)
+            snapshot, done_writes = reconcile(api, policy, held, kinds)
             if held is None:  # listed: a new mirror, watched from the lists' resourceVersions
                 done.set()
                 mirror, done, next_list = Mirror(snapshot), threading.Event(), time.monotonic() + interval_s
@@ -257,6 +261,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", help="kubeconfig context")
     parser.add_argument("--once", action="store_true", help="one round, then exit (0: written; 2: failed)")
+    parser.add_argument(
+        "--api",
+        choices=sorted(REPORT_APIS),
+        default="wgpolicyk8s.io",
+        help="the reports to write: wgpolicyk8s.io PolicyReports, or openreports.io Reports (Kyverno 1.15 and later)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,9 +274,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         api = KubeApi.connect(args.kubeconfig, args.context)
         if args.once:
-            _, done = reconcile(api, load_policy(args.policy))
+            _, done = reconcile(api, load_policy(args.policy), kinds=REPORT_APIS[args.api])
             for namespace, what in sorted(done.items()):
-                print(f"{what}: {'ClusterPolicyReport' if namespace == CLUSTER_SCOPE else namespace}")
+                print(f"{what}: {REPORT_APIS[args.api].cluster_kind if namespace == CLUSTER_SCOPE else namespace}")
             return 0
     except (ApiError, PolicyError) as exc:
         print(f"scrubgate reports: {exc}", file=sys.stderr)
@@ -281,6 +291,6 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stopping)
     signal.signal(signal.SIGINT, stopping)
-    run_rounds(api, args.policy, args.interval, stop, changed=changed)
+    run_rounds(api, args.policy, args.interval, stop, changed=changed, kinds=REPORT_APIS[args.api])
     log.info("reports: stopped")
     return 0

@@ -14,7 +14,9 @@ from scrubgate.cluster import CHECKED_KINDS, NAMESPACES, ApiError
 
 Obj = dict[str, Any]
 # The last segment of a collection's path; any other GET path names one object.
-PLURALS = {kind.plural for kind in (NAMESPACES, *CHECKED_KINDS)} | {"policyreports", "clusterpolicyreports"}
+PLURALS = {kind.plural for kind in (NAMESPACES, *CHECKED_KINDS)} | {
+    "policyreports", "clusterpolicyreports", "reports", "clusterreports",
+}  # fmt: skip
 
 
 class FakeApi:

@@ -265,9 +265,23 @@ def test_the_chart_follows_the_base_and_refuses_what_it_cannot_render(helm: str,
     assert result.returncode != 0 and '"more/"' in result.stderr
 
 
-def test_crds_are_the_reports_components(default: list[Doc]):
+def test_crds_only_when_asked_and_kept(helm: str, default: list[Doc]):
+    """Kyverno (and other engines) own the wgpolicyk8s.io CRDs: a CRD this release created would stop theirs from
+    installing, so the default render has none; asked for, they are the reports component's, kept on uninstall."""
+    assert not [d for d in default if d["kind"] == "CustomResourceDefinition"]
     shipped = [d for d in yaml.safe_load_all((REPO / "manifests/components/reports/crds.yaml").read_text()) if d]
-    assert [d for d in default if d["kind"] == "CustomResourceDefinition"] == shipped
+    asked = [d for d in render(helm, "--set", "reports.installCRDs=true") if d["kind"] == "CustomResourceDefinition"]
+    assert [d["metadata"]["name"] for d in asked] == [d["metadata"]["name"] for d in shipped]
+    assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in asked)
+    assert [d["spec"] for d in asked] == [d["spec"] for d in shipped]
+
+
+def test_reports_can_write_openreports(helm: str):
+    docs = render(helm, "--set", "reports.api=openreports.io")
+    args = one(docs, "Deployment", "scrubgate-reports")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--api") + 1] == "openreports.io"
+    rules = one(docs, "ClusterRole", "scrubgate-reports")["rules"]
+    assert any("openreports.io" in r["apiGroups"] and "reports" in r["resources"] for r in rules)
 
 
 def test_image_and_version(default: list[Doc]):

@@ -25,7 +25,7 @@ from scrubgate import __version__, cli, reports
 from scrubgate.check import run_check
 from scrubgate.cluster import CHECKED_KINDS, ApiError, KubeApi, check_cluster, read_cluster
 from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
-from scrubgate.policyreport import build_reports
+from scrubgate.policyreport import OPENREPORTS, build_reports
 
 CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
 PODS = "/api/v1/pods"
@@ -266,7 +266,9 @@ def test_sigterm_ends_reports_as_pid_1_would_need(api, monkeypatch):
     stops within a moment rather than the pod's grace period."""
     monkeypatch.setattr(reports.KubeApi, "connect", classmethod(lambda cls, *a: api))
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    args = argparse.Namespace(kubeconfig=None, context=None, once=False, policy=None, interval=3600.0)
+    args = argparse.Namespace(
+        kubeconfig=None, context=None, once=False, policy=None, interval=3600.0, api="wgpolicyk8s.io"
+    )
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     started = time.monotonic()
@@ -329,7 +331,10 @@ def test_the_reports_role_lists_and_watches_every_kind_it_reads():
     }
     for kind in (NAMESPACE_KIND, *CHECKED_KINDS):
         assert {(kind.group, kind.plural, "list"), (kind.group, kind.plural, "watch")} <= granted, kind
-    assert not {verb for group, _, verb in granted if group != "wgpolicyk8s.io"} - {"list", "watch"}
+    assert not {verb for group, _, verb in granted if group not in ("wgpolicyk8s.io", "openreports.io")} - {
+        "list",
+        "watch",
+    }
 
 
 @pytest.mark.parametrize("name", ["crds.yaml", "rbac.yaml", "deployment.yaml"])
@@ -370,5 +375,26 @@ def test_policyreport_format_for_files_in_ci(tmp_path, capsys):
 
 def test_reports_without_the_crds_say_what_to_install():
     api = FakeApi(served=("/apis/resource.k8s.io", "/apis/apps/", "/apis/batch/"))
-    with pytest.raises(ApiError, match=r"serves no wgpolicyk8s.io/v1alpha2 PolicyReports; install the CRDs"):
+    with pytest.raises(ApiError, match=r"serves no wgpolicyk8s.io/v1alpha2 PolicyReports; install their CRDs.*--api"):
         reports.reconcile(api, load_policy(None))
+
+
+def test_openreports_reports_for_kyverno_1_15_and_later(api):
+    """The same results as openreports.io Reports and a ClusterReport (the API Kyverno 1.15+ uses), with the
+    report's one source named at the top as that API has it."""
+    policy = load_policy(None)
+    _, done = reports.reconcile(api, policy, kinds=OPENREPORTS)
+    assert done == {"": "created", "team-a": "created"}
+    report = api.request("GET", "/apis/openreports.io/v1alpha1/namespaces/team-a/reports/scrubgate")
+    assert (report["apiVersion"], report["kind"], report["source"]) == (
+        "openreports.io/v1alpha1",
+        "Report",
+        "scrubgate",
+    )
+    assert {(r["rule"], r["resources"][0]["name"]) for r in report["results"]} == {
+        ("SG001", "sticky"),
+        ("SG004", "old"),
+    }
+    cluster = api.request("GET", "/apis/openreports.io/v1alpha1/clusterreports/scrubgate")
+    assert cluster["kind"] == "ClusterReport"
+    assert not [c for c in api.calls if "wgpolicyk8s.io" in c[1]], "nothing written to the other API"

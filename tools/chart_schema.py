@@ -112,7 +112,15 @@ def build() -> dict[str, Any]:
                         "resources": RESOURCES,
                     }
                 ),
-                "reports": _object({"enabled": BOOL, "interval": DURATION, "resources": RESOURCES}),
+                "reports": _object(
+                    {
+                        "enabled": BOOL,
+                        "interval": DURATION,
+                        "api": {"enum": ["wgpolicyk8s.io", "openreports.io"]},
+                        "installCRDs": BOOL,
+                        "resources": RESOURCES,
+                    }
+                ),
                 "metrics": _object(
                     {"enabled": BOOL, "labels": STRING_MAP, "dashboardLabels": STRING_MAP, "dashboardNamespace": STRING}
                 ),
