@@ -131,6 +131,20 @@ class Signer:
         return sign(payload, self.key, self.kid)
 
 
+@contextlib.contextmanager
+def _unless_done_within(delay_s: float, function: Callable[..., object], *args: Any) -> Iterator[None]:
+    """Calls `function(*args)` from a timer thread if the block is still running after `delay_s` seconds (the
+    block's own thread is busy in it); on the way out, a call already under way is waited for."""
+    timer = threading.Timer(delay_s, function, args)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+
+
 def _when(ts: float | None) -> datetime:
     return datetime.fromtimestamp(ts or 0.0, UTC)
 
@@ -392,15 +406,11 @@ class TeardownEngine:
         if td.state not in (State.DRAINING, State.SCRUBBING):
             yield
             return
-        timer = threading.Timer(self.settings.scrub_timeout_s, self._stuck_in_driver, (td, td.state, self.clock()))
-        timer.daemon = True
-        timer.start()
         try:
-            yield
+            with _unless_done_within(self.settings.scrub_timeout_s, self._stuck_in_driver, td, td.state, self.clock()):
+                yield
         finally:
-            timer.cancel()
-            timer.join()  # a watchdog already firing finishes first, so that nothing marks the step stuck after it
-            self._stuck.pop(td.claim.uid, None)
+            self._stuck.pop(td.claim.uid, None)  # after the watchdog, if it fired: nothing marks it stuck later
 
     def _stuck_in_driver(self, td: Teardown, state: State, since: float) -> None:
         devices = ", ".join(f"{d.key} ({d.uuid})" for d in td.devices)
@@ -673,14 +683,8 @@ class TeardownEngine:
     def _announced_after(self, td: Teardown, status: str, delay_s: float) -> Iterator[None]:
         """Announces `status` if the block is still running after `delay_s` seconds (from a timer thread: the
         claim's lane is in the block meanwhile, and nothing else writes this claim)."""
-        timer = threading.Timer(delay_s, self._stays_in, (td, status))
-        timer.daemon = True
-        timer.start()
-        try:
+        with _unless_done_within(delay_s, self._stays_in, td, status):
             yield
-        finally:
-            timer.cancel()
-            timer.join()
 
     def _on_scrubbing(self, td: Teardown) -> Outcome:
         with self._announced_after(td, names.SCRUB_SCRUBBING, ANNOUNCE_SCRUBBING_AFTER_S):

@@ -135,23 +135,15 @@ def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
         .public_key()
         .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    (tmp_path / "key.pem").write_bytes(pem)
-    result = run_helm(
-        helm,
-        "--set",
-        "policy.attestationKeys[0].kid=k1",
-        "--set-file",
-        f"policy.attestationKeys[0].publicKey={tmp_path / 'key.pem'}",
-    )
+
+    def with_key(pem: bytes) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "key.pem").write_bytes(pem)
+        key = f"policy.attestationKeys[0].publicKey={tmp_path / 'key.pem'}"
+        return run_helm(helm, "--set", "policy.attestationKeys[0].kid=k1", "--set-file", key)
+
+    result = with_key(pem)
     assert result.returncode != 0 and "publicKey" in result.stderr, result.stderr
-    (tmp_path / "key.pem").write_text(public_key_pem(Ed25519PrivateKey.generate()))
-    result = run_helm(
-        helm,
-        "--set",
-        "policy.attestationKeys[0].kid=k1",
-        "--set-file",
-        f"policy.attestationKeys[0].publicKey={tmp_path / 'key.pem'}",
-    )
+    result = with_key(public_key_pem(Ed25519PrivateKey.generate()).encode())
     assert result.returncode == 0, result.stderr
 
 
