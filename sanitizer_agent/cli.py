@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "still verify (default 0.02)",
     )
     parser.add_argument(
+        "--max-parallel-scrubs",
+        type=int,
+        default=4,
+        help="nvml: scrub processes at once (each a CUDA context of a few hundred MB of host memory); the other "
+        "teardowns wait for a slot (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-unreachable-bytes",
         type=int,
         default=1 << 30,
@@ -214,6 +221,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             else {
                 "max_unreachable_fraction": args.max_unreachable,
                 "max_unreachable_bytes": args.max_unreachable_bytes,
+                "max_parallel_scrubs": args.max_parallel_scrubs,
                 # Beside the checkpoint: the ECC baselines of allocations made before a restart.
                 "ecc_history_path": Path(args.checkpoint).with_name("ecc-history.json"),
             }

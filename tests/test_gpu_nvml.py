@@ -603,3 +603,39 @@ def test_processes_on_a_placement_are_those_of_overlapping_mig_devices(node, ope
     backend = open_nvml()
     assert [p.pid for p in backend.placement_processes(MigPlacement(gpu["uuid"], 19, 1, 1))] == [7000 + wide["slot"]]
     assert backend.placement_processes(MigPlacement(gpu["uuid"], 19, 6, 1)) == []
+
+
+def test_scrub_processes_at_once_are_bounded(node, open_nvml, monkeypatch):
+    """Sixteen teardowns may scrub at once, but each scrub is a process with a CUDA context of a few hundred MB
+    of host memory: at most max_parallel_scrubs run together inside the DaemonSet's memory limit, the rest wait."""
+    import subprocess
+    import threading
+
+    from scrubgate.sanitizer_agent.gpu import nvml as nvml_backend
+
+    gpus = [node.add_gpu(memory=32 * MiB) for _ in range(6)]
+    running, most, lock = 0, 0, threading.Lock()
+    real_run = subprocess.run
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.2)
+            return real_run(*args, **kwargs)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(nvml_backend.subprocess, "run", counted)
+    backend = open_nvml(max_parallel_scrubs=2)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda g=g: results.append(backend.scrub(g["uuid"]))) for g in gpus]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(results) == 6 and all(r.verified for r in results)
+    assert most == 2

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
 # policy's scrubCoverage, whose defaults these are), fails the scrub.
 DEFAULT_MAX_UNREACHABLE = 0.02
 DEFAULT_MAX_UNREACHABLE_BYTES = 1 << 30
+# Scrub processes at once: each is a Python with the CUDA driver and a context of its own, a few hundred MB of
+# host memory; the agent tears down up to 16 claims at once, which must not all scrub at once inside the
+# DaemonSet's 4 GiB memory limit. The rest wait for a slot (the GPU's copy bandwidth is the bound anyway).
+DEFAULT_MAX_PARALLEL_SCRUBS = 4
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
@@ -72,6 +77,7 @@ class NvmlBackend:
         margin_bytes: int = cuda_scrub.DEFAULT_MARGIN_BYTES,
         max_unreachable_fraction: float = DEFAULT_MAX_UNREACHABLE,
         max_unreachable_bytes: int = DEFAULT_MAX_UNREACHABLE_BYTES,
+        max_parallel_scrubs: int = DEFAULT_MAX_PARALLEL_SCRUBS,
         watch_xids: bool = True,
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
@@ -91,6 +97,9 @@ class NvmlBackend:
         # own) beyond this share of the usable memory means the scrub cannot vouch for the device.
         self.max_unreachable_fraction = max_unreachable_fraction
         self.max_unreachable_bytes = max_unreachable_bytes
+        if max_parallel_scrubs < 1:
+            raise GpuError(f"max_parallel_scrubs must be at least 1, got {max_parallel_scrubs}")
+        self._scrub_slots = threading.BoundedSemaphore(max_parallel_scrubs)
         self.python = python
         self.child_env = dict(child_env or {})
         self.params_path = params_path
@@ -447,9 +456,10 @@ class NvmlBackend:
             f"--margin-bytes={self.margin_bytes}",
         ]
         try:
-            done = subprocess.run(
-                command, env=env, capture_output=True, text=True, timeout=self.scrub_timeout_s, check=False
-            )
+            with self._scrub_slots:
+                done = subprocess.run(
+                    command, env=env, capture_output=True, text=True, timeout=self.scrub_timeout_s, check=False
+                )
         except subprocess.TimeoutExpired:
             return {}, f"scrub of {uuid} did not finish within {self.scrub_timeout_s:.0f}s and was killed"
         except OSError as exc:
