@@ -23,14 +23,18 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(FAKES))
     import fakegpu
 
-    yield fakegpu.FakeNode(tmp_path / "node")
+    node = fakegpu.FakeNode(tmp_path / "node")
+    driver(node)
+    yield node
     sys.modules.pop("fakegpu", None)
 
 
 def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    params = out / "driver-params"  # a default driver: scrub-on-free on
+    # The driver's parameters say what the fake driver does: zero freed memory, or not (RMDisableScrubOnFree).
+    params = out / "driver-params"
     out.mkdir(parents=True, exist_ok=True)
-    params.write_text('RegistryDwords: ""\n')
+    scrub_on_free = node.data["cuda"].get("scrubOnFree", False)
+    params.write_text("RegistryDwords: " + ('""' if scrub_on_free else '"RMDisableScrubOnFree=1"') + "\n")
     done = subprocess.run(
         [
             sys.executable,
@@ -58,7 +62,14 @@ def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedPr
     return done, json.loads(report_path.read_text())
 
 
-def test_check_passes_and_shows_the_driver_leaking_without_the_agent(node, tmp_path):
+def driver(node: Any, scrub_on_free: bool = True, **faults: Any) -> None:
+    """The fake kernel driver: by default as NVIDIA's runs, zeroing freed memory before another process
+    gets it; `faults` as tests/fakes/cuda/bindings/driver.py reads them."""
+    node.data["cuda"] = {"scrubOnFree": scrub_on_free, **faults}
+    node.save()
+
+
+def test_check_passes_on_a_default_driver_and_still_sees_what_no_scrub_leaves(node, tmp_path):
     node.add_gpu(memory=96 * MiB)
     done, report = run_check(node, tmp_path / "out")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -66,39 +77,80 @@ def test_check_passes_and_shows_the_driver_leaking_without_the_agent(node, tmp_p
     assert list(steps) == STEPS and all(s["ok"] for s in steps.values()), steps
     assert report["pass"] and steps["selftest"]["foundWords"] == steps["selftest"]["plantedWords"]
     assert steps["selftest"]["kernels"] == "cubin sm_90"
+    assert report["scrubOnFreeDisabled"] is False
     scrub = steps["scrub"]
     assert scrub["scrub"]["verified"] and scrub["probe"]["canaryWords"] == 0
     assert scrub["coverage"]["unreachedShare"] < 0.1 and scrub["coverage"]["bytesScrubbed"] > 80 * MiB
-    # The fake driver does not scrub on free: the next process finds the whole canary.
-    assert steps["no-scrub"]["probe"]["canaryWords"] * 4 == steps["no-scrub"]["tenantBytes"]
+    assert scrub["resident"]["canaryWords"] == 0 and scrub["resident"]["plantedWords"] > 0
+    # The driver zeroed the tenant's memory: the next process finds nothing, scrub or not; the canary the
+    # check's own context holds is what shows that the probe would see leftovers.
+    assert steps["no-scrub"]["driverScrubsOnFree"] and steps["no-scrub"]["probe"]["canaryWords"] == 0
+    resident = steps["no-scrub"]["resident"]
+    assert resident["canaryWords"] == resident["plantedWords"] > 0
     assert steps["bandwidth"]["nonzeroWords"] == 0 and steps["bandwidth"]["scrubToCopy"] > 0
     assert steps["health"]["problems"] == [] and steps["health"]["xidWatch"] == "on"
     assert "skipped" in steps["mig"], "not in MIG mode: nothing to do, and nothing changed"
     assert "canary after agent scrub" in done.stdout and "PASS" in done.stdout
 
 
-def test_check_sees_a_driver_that_scrubs_on_free(node, tmp_path):
+def test_with_scrub_on_free_off_the_next_process_finds_the_canary_and_the_agent_fails_closed(node, tmp_path):
     node.add_gpu(memory=96 * MiB)
-    node.data["cuda"] = {"scrubOnFree": True}
-    node.save()
-    _, report = run_check(node, tmp_path / "out")
-    assert report["steps"]["no-scrub"]["driverScrubsOnFree"]
-
-
-def test_check_fails_when_the_scrub_does_not_clean(node, tmp_path):
-    node.add_gpu(memory=96 * MiB)
-    node.data["cuda"] = {"memsetNoop": ["cuMemsetD8"]}  # the scrub's zeroing; the tenant uses D32
-    node.save()
+    driver(node, scrub_on_free=False)
     done, report = run_check(node, tmp_path / "out")
-    assert done.returncode == 1 and not report["pass"] and "FAIL" in done.stdout
+    steps = report["steps"]
+    assert report["scrubOnFreeDisabled"] is True
+    assert steps["no-scrub"]["probe"]["canaryWords"] * 4 == steps["no-scrub"]["tenantBytes"]
+    assert not steps["no-scrub"]["driverScrubsOnFree"] and steps["no-scrub"]["ok"]
+    # What the scrub's own CUDA context held is out of its reach and nothing zeroes it at exit: not verified.
+    scrub = steps["scrub"]
+    assert not scrub["scrub"]["verified"] and "RMDisableScrubOnFree" in scrub["scrub"]["reason"]
+    assert scrub["probe"]["canaryWords"] == 0 and not scrub["ok"]
+    assert done.returncode == 1 and not report["pass"]
+
+
+def test_on_a_default_driver_a_scrub_that_writes_nothing_fails_the_check(node, tmp_path):
+    node.add_gpu(memory=96 * MiB)
+    # The scrub's zeroing of device memory writes nothing (an 8-byte counter reset still works). The driver
+    # zeroed the tenant's memory at exit, so the agent's scrub verifies and the next process finds no canary:
+    # only the canary the check's own context holds shows that this scrub would have left it.
+    driver(node, memsetNoop=["cuMemsetD8"], memsetNoopFrom=1 << 20)
+    done, report = run_check(node, tmp_path / "out")
     scrub = report["steps"]["scrub"]
-    assert not scrub["ok"] and not scrub["scrub"]["verified"] and scrub["probe"]["canaryWords"] > 0
+    assert scrub["scrub"]["verified"] and scrub["probe"]["canaryWords"] == 0
+    assert scrub["resident"]["canaryWords"] == scrub["resident"]["plantedWords"] > 0
+    assert not scrub["ok"] and done.returncode == 1 and not report["pass"] and "FAIL" in done.stdout
+
+
+def test_with_scrub_on_free_off_a_scrub_that_writes_nothing_leaves_the_canary_to_the_next(node, tmp_path):
+    node.add_gpu(memory=96 * MiB)
+    driver(node, scrub_on_free=False, memsetNoop=["cuMemsetD8"], memsetNoopFrom=1 << 20)
+    done, report = run_check(node, tmp_path / "out")
+    scrub = report["steps"]["scrub"]
+    assert not scrub["scrub"]["verified"] and scrub["probe"]["canaryWords"] > 0
+    assert not scrub["ok"] and done.returncode == 1 and not report["pass"]
+
+
+def test_a_check_whose_canary_never_lands_cannot_pass(node, tmp_path):
+    node.add_gpu(memory=96 * MiB)
+    driver(node, memsetNoop=["cuMemsetD32"])  # the canary's writes
+    done, report = run_check(node, tmp_path / "out")
+    no_scrub = report["steps"]["no-scrub"]
+    assert done.returncode == 1 and not report["pass"]
+    assert not no_scrub["ok"] and no_scrub["resident"]["canaryWords"] == 0 < no_scrub["resident"]["plantedWords"]
+
+
+def test_a_gpu_in_bad_health_fails_the_check(node, tmp_path):
+    node.add_gpu(memory=96 * MiB, recoveryAction=2)  # the driver asks for a node reboot
+    done, report = run_check(node, tmp_path / "out")
+    health = report["steps"]["health"]
+    assert done.returncode == 1 and not report["pass"]
+    assert not health["ok"] and "recovery action 2" in health["problems"][0]
+    assert all(s["ok"] for n, s in report["steps"].items() if n != "health")
 
 
 def test_a_hung_step_is_cut_at_its_limit_and_the_rest_still_reported(node, tmp_path):
     node.add_gpu(memory=96 * MiB)
-    node.data["cuda"] = {"hang": "cuMemcpyDtoD"}  # only the bandwidth step copies device to device
-    node.save()
+    driver(node, hang="cuMemcpyDtoD")  # only the bandwidth step copies device to device
     done, report = run_check(node, tmp_path / "out", "--step-timeout=8")
     steps = report["steps"]
     assert done.returncode == 1 and not report["pass"]
@@ -124,15 +176,50 @@ def test_the_total_limit_ends_the_check_with_a_partial_report(node, tmp_path):
     assert failed and all("timed out" in report["steps"][n]["error"] for n in failed), report["steps"]
 
 
-def test_mig_mode_is_checked_through_an_existing_placement(node, tmp_path):
+def mig_gpu(node: Any) -> dict[str, Any]:
     gpu = node.add_gpu(mig=[])
     node.create_mig(gpu, "15", start=0)
     node.create_mig(gpu, "15", start=2)
+    return gpu
+
+
+def placements(node: Any) -> list[tuple[int, int]]:
+    gis = json.loads((node.root / "node.json").read_text())["gpus"][0]["gis"]
+    return sorted((g["start"], g["size"]) for g in gis)
+
+
+def test_mig_mode_is_checked_through_an_existing_placement(node, tmp_path):
+    gpu = mig_gpu(node)
     # A 32 MiB fake MIG device: the scrub's 1 MiB context is 3% of it (of a real 1g slice, far less).
     _, report = run_check(node, tmp_path / "out", "--max-unreachable=0.1")
     mig = report["steps"]["mig"]
     assert mig["ok"], mig
     assert mig["placement"]["parent_uuid"] == gpu["uuid"] and mig["placement"]["start"] == 2
     assert mig["probe"]["canaryWords"] == 0 and mig["scrub"]["verified"]
-    gis = json.loads((node.root / "node.json").read_text())["gpus"][0]["gis"]
-    assert [(g["start"], g["size"]) for g in gis] == [(0, 2), (2, 2)], "no MIG change"
+    assert "skipped" in mig["scratch"]
+    assert placements(node) == [(0, 2), (2, 2)], "no MIG change"
+
+
+def test_mig_scratch_runs_the_agents_path_for_a_deleted_dynamic_mig_device(node, tmp_path):
+    mig_gpu(node)
+    done, report = run_check(node, tmp_path / "out", "--max-unreachable=0.1", "--mig-scratch=15:4:2")
+    scratch = report["steps"]["mig"]["scratch"]
+    assert done.returncode == 0 and report["pass"], report["steps"]["mig"]
+    # The tenant's canary stayed in the placement's memory after its instance went; the agent's own
+    # instance there scrubbed it, and the probe's instance found nothing.
+    assert scratch["tenantBytes"] > 0 and scratch["scrub"]["verified"] and scratch["probe"]["canaryWords"] == 0
+    assert scratch["scrub"]["bytes_scrubbed"] > 0 and scratch["instancesAsBefore"]
+    assert placements(node) == [(0, 2), (2, 2)], "every GPU instance the check made is gone, MIG mode kept"
+
+
+def test_a_mig_path_that_fails_fails_the_check(node, tmp_path):
+    gpu = mig_gpu(node)
+    done, report = run_check(node, tmp_path / "out", "--max-unreachable=0.1", "--mig-scratch=15:2:2")
+    mig = report["steps"]["mig"]
+    assert done.returncode == 1 and not report["pass"]
+    assert not mig["ok"] and "memory slices in use" in mig["error"]
+    node.data["nvmlErrors"] = {gpu["uuid"]: {"nvmlDeviceCreateGpuInstanceWithPlacement": "NVML_ERROR_NO_PERMISSION"}}
+    node.save()
+    done, report = run_check(node, tmp_path / "again", "--max-unreachable=0.1", "--mig-scratch=15:4:2")
+    assert done.returncode == 1 and not report["pass"] and not report["steps"]["mig"]["ok"]
+    assert placements(node) == [(0, 2), (2, 2)]

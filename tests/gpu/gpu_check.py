@@ -7,17 +7,25 @@ leaves the ones before it on record:
 1. selftest: the verify kernels (cubin, else PTX, else none: the report says which) count planted words.
 2. scrub: a tenant process fills N GiB with a canary and exits; the backend scrubs the device (warm-up,
    margin, second pass); a probe allocates all it can and counts canary words (must be 0). Coverage:
-   bytes scrubbed, unreached and reserved.
+   bytes scrubbed, unreached and reserved. Then "resident": a canary in memory the check's own context still
+   holds, which no driver setting zeroes, through the agent's zero-and-verify pass: none may be left.
 3. no-scrub: the same tenant, then the probe at once: canary words found mean the kernel driver handed one
-   process's memory to the next unscrubbed (scrub-on-free off or absent).
+   process's memory to the next unscrubbed (scrub-on-free off). A default driver zeroes freed memory, so
+   this alone cannot tell a working scrub from none: "resident" without the scrub must find every canary
+   word it planted, or nothing in this check could have failed.
 4. bandwidth: scrub GB/s (zero + verify) against a device-to-device copy on the same card.
-5. health: health() with the XID watcher on.
+5. health: health() with the XID watcher on; any problem fails it.
 6. mig: where the GPU is already in MIG mode, the same canary/scrub/probe on an idle MIG device, through
-   its placement (read-only: the device exists, nothing is created).
+   its placement as the agent scrubs it (read-only: the device exists, nothing is created). With
+   --mig-scratch PROFILE:START:SIZE also the agent's path for a dynamic MIG device NVIDIA's driver has
+   deleted: a GPU instance there for the tenant, destroyed, the agent's scratch instance and scrub, another
+   for the probe. That creates and destroys GPU instances (never MIG mode: another MIG device must stay),
+   so only where you may reconfigure MIG.
 
-It changes no GPU setting (no reset, persistence, power or MIG change) and allocates with plain
-cuMemAlloc. Prints a table; writes gpu_check.json to --out or $OUT when set. Exit 0 on PASS (self-test
-ok, scrub verified, no canary after it, scrub rate at least --rate-goal of the copy rate), 1 otherwise.
+It changes no GPU setting (no reset, persistence, power or MIG change unless --mig-scratch) and allocates
+with plain cuMemAlloc. Prints a table; writes gpu_check.json to --out or $OUT when set. Exit 0 on PASS (every
+step ok: self-test, scrub verified with no canary after it, the resident canary found without the scrub and
+gone with it, scrub rate at least --rate-goal of the copy rate, health, MIG), 1 otherwise.
 
 Runs from a checkout without installing scrubgate (python3 tests/gpu/gpu_check.py); needs
 nvidia-ml-py and cuda-bindings. Against the fakes in tests/fakes it runs without a GPU (make test does).
@@ -43,6 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 CANARY = 0x5CB6A7E1
 GiB = 1 << 30
+STEPS = ("open", "selftest", "scrub", "no-scrub", "bandwidth", "health", "mig")
 
 
 def import_backend() -> Any:
@@ -93,18 +102,38 @@ def role_selftest(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def plant_canary(cuda: Any, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """`size` bytes of canary in the current context, in chunks of at most `chunk_bytes`; returns them."""
+    chunks = []
+    while size > 0:
+        length = min(size, chunk_bytes)
+        ptr = int(cuda.call("cuMemAlloc", length))
+        cuda.call("cuMemsetD32", ptr, CANARY, length // 4)
+        chunks.append((ptr, length))
+        size -= length
+    cuda.call("cuCtxSynchronize")
+    return chunks
+
+
 def role_tenant(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
     cuda.open()
-    remaining, filled = args.bytes, 0
-    while remaining > 0:
-        size = min(remaining, args.chunk_bytes)
-        ptr = int(cuda.call("cuMemAlloc", size))
-        cuda.call("cuMemsetD32", ptr, CANARY, size // 4)
-        filled += size // 4 * 4
-        remaining -= size
-    cuda.call("cuCtxSynchronize")
+    chunks = plant_canary(cuda, args.bytes, args.chunk_bytes)
     # Exit without freeing: the driver reclaims the memory as it does for any tenant that ends.
-    return {"bytesFilled": filled}
+    return {"bytesFilled": sum(size for _, size in chunks)}
+
+
+def role_resident(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """A canary this context keeps allocated: the driver's scrub-on-free never touches it, so counting it
+    without --scrub shows what the probe sees when nothing scrubs; with --scrub, the agent's pass runs on it."""
+    from scrubgate.sanitizer_agent.gpu import cuda_scrub
+
+    ctx = cuda.open()
+    ctx.chunks += plant_canary(cuda, args.bytes, args.chunk_bytes)
+    report: dict[str, Any] = {"plantedWords": sum(size for _, size in ctx.chunks) // 4}
+    if args.scrub:
+        report["nonzeroWords"] = cuda_scrub.zero_and_verify(ctx, ctx.chunks)
+    report["canaryWords"] = ctx.count_equal_u32(CANARY)
+    return report
 
 
 def role_probe(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -147,7 +176,13 @@ def role_bandwidth(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-ROLES = {"selftest": role_selftest, "tenant": role_tenant, "probe": role_probe, "bandwidth": role_bandwidth}
+ROLES = {
+    "selftest": role_selftest,
+    "tenant": role_tenant,
+    "resident": role_resident,
+    "probe": role_probe,
+    "bandwidth": role_bandwidth,
+}
 
 
 def run_role(argv: list[str]) -> int:
@@ -157,6 +192,7 @@ def run_role(argv: list[str]) -> int:
     parser.add_argument("--chunk-bytes", type=int, required=True)
     parser.add_argument("--min-chunk-bytes", type=int, required=True)
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--scrub", type=int, default=0)
     args = parser.parse_args(argv)
     import_backend()
     from scrubgate.sanitizer_agent.gpu import cuda_scrub
@@ -258,8 +294,9 @@ class Check:
         while self.backend.processes(uuid):
             time.sleep(0.1)
 
-    def tenant_bytes(self, device: Any) -> int:
-        return min(int(self.args.tenant_gib * GiB), device.memory_free // 2) // 4 * 4
+    def tenant_bytes(self, uuid: str) -> int:
+        free = next(d.memory_free for d in self.backend.list_devices() if d.uuid == uuid)
+        return min(int(self.args.tenant_gib * GiB), free // 2) // 4 * 4
 
     def pick_device(self) -> Any:
         devices = self.backend.list_devices()
@@ -305,12 +342,17 @@ class Check:
         report = self.child("selftest", self.device.uuid, bytes=min(64 << 20, self.device.memory_free // 2))
         return report
 
-    def canary_scrub_probe(self, device: Any, scrub: Callable[[], Any]) -> dict[str, Any]:
-        tenant = self.tenant_bytes(device)
-        self.child("tenant", device.uuid, bytes=tenant)
-        self.wait_idle(device.uuid)
+    def canary_scrub_probe(
+        self, device: Callable[[], contextlib.AbstractContextManager[str]], scrub: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """A tenant's canary, the scrub, the probe; `device` gives the device for each of tenant and probe."""
+        with device() as uuid:
+            tenant = self.tenant_bytes(uuid)
+            self.child("tenant", uuid, bytes=tenant)
+            self.wait_idle(uuid)
         result = scrub()
-        probe = self.child("probe", device.uuid)
+        with device() as uuid:
+            probe = self.child("probe", uuid)
         usable = max(result.bytes_total - result.bytes_reserved, 1)
         return {
             "ok": bool(result.verified and probe["canaryWords"] == 0),
@@ -325,16 +367,36 @@ class Check:
             "probe": probe,
         }
 
+    def same_device(self, uuid: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
+        return lambda: contextlib.nullcontext(uuid)
+
+    def resident(self, scrub: bool) -> dict[str, Any]:
+        uuid = self.device.uuid
+        return self.child("resident", uuid, bytes=self.tenant_bytes(uuid), scrub=int(scrub))
+
     def scrub(self) -> dict[str, Any]:
-        return self.canary_scrub_probe(self.device, lambda: self.backend.scrub(self.device.uuid))
+        report = self.canary_scrub_probe(
+            self.same_device(self.device.uuid), lambda: self.backend.scrub(self.device.uuid)
+        )
+        resident = report["resident"] = self.resident(scrub=True)
+        report["ok"] = report["ok"] and resident["canaryWords"] == 0 and resident["nonzeroWords"] == 0
+        return report
 
     def no_scrub(self) -> dict[str, Any]:
-        tenant = self.tenant_bytes(self.device)
-        self.child("tenant", self.device.uuid, bytes=tenant)
-        self.wait_idle(self.device.uuid)
-        probe = self.child("probe", self.device.uuid)
-        leaked = probe["canaryWords"] * 4
-        return {"tenantBytes": tenant, "probe": probe, "driverScrubsOnFree": leaked == 0}
+        uuid = self.device.uuid
+        tenant = self.tenant_bytes(uuid)
+        self.child("tenant", uuid, bytes=tenant)
+        self.wait_idle(uuid)
+        probe = self.child("probe", uuid)
+        resident = self.resident(scrub=False)
+        return {
+            # Without the scrub, the check must see the canary: else its PASS would prove nothing.
+            "ok": resident["canaryWords"] == resident["plantedWords"] > 0,
+            "tenantBytes": tenant,
+            "probe": probe,
+            "driverScrubsOnFree": probe["canaryWords"] == 0,
+            "resident": resident,
+        }
 
     def bandwidth(self) -> dict[str, Any]:
         copy_bytes = min(int(self.args.copy_gib * GiB), self.device.memory_free // 4) // 16 * 16
@@ -348,7 +410,13 @@ class Check:
 
     def health(self) -> dict[str, Any]:
         health = self.backend.health(self.device.uuid, since=time.time() - 60)
-        return {"snapshot": asdict(health), "problems": health.problems(), "xidWatch": self.report.get("xidWatch")}
+        problems = health.problems()
+        return {
+            "ok": not problems,
+            "snapshot": asdict(health),
+            "problems": problems,
+            "xidWatch": self.report.get("xidWatch"),
+        }
 
     def mig(self) -> dict[str, Any]:
         gpu_uuid = self.device.parent_uuid
@@ -358,11 +426,30 @@ class Check:
         idle = next((d for d in migs if d.uuid != self.device.uuid and not self.backend.processes(d.uuid)), None)
         target = idle or self.device
         mig = importlib.import_module(f"{self.gpu.__name__}.mig")
-        live = mig.live_instances(self.backend._nvml, self.backend._resolve(gpu_uuid).handle)
+        nvml, handle = self.backend._nvml, self.backend._resolve(gpu_uuid).handle
+        live = mig.live_instances(nvml, handle)
         here = next(m for m in live if m.uuid == target.uuid)
         placement = self.gpu.MigPlacement(gpu_uuid, here.profile_id, here.start, here.size)
-        result = self.canary_scrub_probe(target, lambda: self.backend.scrub_placement(placement))
+        # As the agent scrubs a MIG device: through its placement (a live device there is scrubbed by UUID).
+        result = self.canary_scrub_probe(self.same_device(target.uuid), lambda: self.backend.scrub_placement(placement))
         result["placement"] = asdict(placement)
+        if not self.args.mig_scratch:
+            result["scratch"] = {"skipped": "the deleted-device path creates GPU instances: --mig-scratch"}
+            return result
+        profile, start, size = (int(n) for n in self.args.mig_scratch.split(":"))
+        scratch = self.gpu.MigPlacement(gpu_uuid, profile, start, size)
+        if any(m.overlaps(scratch) for m in live):
+            raise StepFailed(f"--mig-scratch {self.args.mig_scratch}: memory slices in use on {gpu_uuid}")
+        # NVIDIA's driver creates the tenant's device on prepare and deletes it on unprepare; the agent then
+        # scrubs the placement through a GPU instance of its own.
+        deleted = self.canary_scrub_probe(
+            lambda: mig.scratch_instance(nvml, handle, scratch), lambda: self.backend.scrub_placement(scratch)
+        )
+        left = [(m.profile_id, m.start, m.size) for m in mig.live_instances(nvml, handle)]
+        deleted["instancesAsBefore"] = left == [(m.profile_id, m.start, m.size) for m in live]
+        deleted["ok"] = deleted["ok"] and deleted["instancesAsBefore"]
+        result["scratch"] = deleted
+        result["ok"] = result["ok"] and deleted["ok"]
         return result
 
     # ------------------------------------------------------------ all of it
@@ -370,15 +457,13 @@ class Check:
     def run(self) -> dict[str, Any]:
         try:
             if self.step("open", lambda: self.report.update(self.open())):
-                steps = [("selftest", self.selftest), ("scrub", self.scrub), ("no-scrub", self.no_scrub)]
-                steps += [("bandwidth", self.bandwidth), ("health", self.health), ("mig", self.mig)]
-                for name, run in steps:
-                    self.step(name, run)
+                for name in STEPS[1:]:
+                    self.step(name, getattr(self, name.replace("-", "_")))
         finally:
             if self.backend is not None:
                 self.backend.close()
         steps = self.report["steps"]
-        self.report["pass"] = all(steps.get(n, {}).get("ok") for n in ("open", "selftest", "scrub", "bandwidth"))
+        self.report["pass"] = all(steps.get(n, {}).get("ok") for n in STEPS)
         self.save()
         return self.report
 
@@ -408,9 +493,21 @@ def table(report: dict[str, Any]) -> str:
             ("unreached by the scrub", f"{cov['bytesUnreachable'] / GiB:.3f} GiB ({cov['unreachedShare']:.2%})"),
             ("canary after agent scrub", f"{scrub['probe']['canaryWords'] * 4} bytes (must be 0)"),
         ]
-    if "probe" in steps.get("no-scrub", {}):
-        leaked = steps["no-scrub"]["probe"]["canaryWords"] * 4
-        rows.append(("canary without agent scrub", f"{leaked} bytes"))
+    if "resident" in scrub:
+        rows.append(("resident canary, agent pass", f"{scrub['resident']['canaryWords'] * 4} bytes left (must be 0)"))
+    no_scrub = steps.get("no-scrub", {})
+    if "probe" in no_scrub:
+        leaked = no_scrub["probe"]["canaryWords"] * 4
+        rows.append(("canary without agent scrub", f"{leaked} bytes (the next process; 0: driver scrubs on free)"))
+    if "resident" in no_scrub:
+        found, planted = no_scrub["resident"]["canaryWords"] * 4, no_scrub["resident"]["plantedWords"] * 4
+        rows.append(("resident canary, no scrub", f"{found} of {planted} bytes found (must be all)"))
+    mig = steps.get("mig", {})
+    for name, part in (("mig, existing device", mig), ("mig, deleted device", mig.get("scratch") or {})):
+        if "skipped" in part or "probe" in part:
+            rows.append(
+                (name, part.get("skipped") or f"canary after agent scrub {part['probe']['canaryWords'] * 4} bytes")
+            )
     bw = steps.get("bandwidth", {})
     if "copyGBps" in bw:
         rows += [
@@ -442,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         "--driver-params",
         default="/proc/driver/nvidia/params",
         help="the kernel driver's parameters (scrub-on-free), as the agent reads them",
+    )
+    parser.add_argument(
+        "--mig-scratch",
+        metavar="PROFILE:START:SIZE",
+        help="also the agent's path for a deleted dynamic MIG device, on this free placement (GI profile ID, "
+        "first memory slice, memory slices): creates and destroys GPU instances",
     )
     parser.add_argument("--total-timeout", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")

@@ -12,7 +12,8 @@ Kernels run in Python by name: ``scrubgate_count_nonzero`` and ``scrubgate_count
 the semantics documented beside their PTX in sanitizer_agent/gpu/cuda_scrub.py.
 
 Faults, from node.json's ``cuda`` object: ``fail: {call: "CUDA_ERROR_..."}``, ``memsetNoop`` (true,
-or a list of memset calls: they return success but write nothing), ``hang: call`` (the call never returns), ``heldBytes: {uuid: n}``
+or a list of memset calls: they return success but write nothing; with ``memsetNoopFrom: n`` only those of
+n bytes or more), ``hang: call`` (the call never returns), ``heldBytes: {uuid: n}``
 (memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may),
 ``lazyBytes`` (device memory the first kernel launch takes, as lazy loading does: out of memory when
 the device is already full), ``computeCapability`` ([major, minor], default [9, 0]: which shipped cubin
@@ -424,8 +425,10 @@ def _memset(call: str, dstDevice: Any, pattern: bytes, N: int) -> tuple[CUresult
     offset = _span(dstDevice, N * len(pattern))
     if offset is None or (int(dstDevice) % len(pattern)):
         return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-    noop = _config().get("memsetNoop")
-    if not (noop is True or (isinstance(noop, list) and call in noop)):
+    config = _config()
+    noop = config.get("memsetNoop")
+    listed = noop is True or (isinstance(noop, list) and call in noop)
+    if not (listed and N * len(pattern) >= config.get("memsetNoopFrom", 0)):
         _fill(offset, N * len(pattern), pattern)
     return (CUresult.CUDA_SUCCESS,)
 
