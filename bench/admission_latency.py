@@ -82,15 +82,12 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO_ROOT))
     from lifecycle import machine
-    from scrubgate.certs.inject import inject_ca_bundle
 
     from devcluster import workloads
     from devcluster.harness import (
         Cluster,
         object_path,
-        render_webhook_configurations,
         wait_for,
-        webhook_url_overlay,
     )
 
     with Cluster(args.workdir, gpus=1) as cluster:
@@ -133,11 +130,7 @@ def main() -> int:
                 return True
             return False
 
-        # Straight to the webhook's port: the harness's Service forwarder is Python, kube-proxy is the kernel's.
-        ca = (cluster.paths.certs / "ca.crt").read_bytes()
-        direct = webhook_url_overlay(inject_ca_bundle(render_webhook_configurations(), ca), cluster.webhook_port)
-        for doc in direct:
-            cluster.apply(doc)
+        cluster.call_webhook_directly()
         results: dict[str, dict[str, list[float]]] = {}
         results["webhooks"] = measure("webhooks")
         for doc in webhook_configurations:

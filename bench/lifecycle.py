@@ -2,7 +2,9 @@
 
 Each run starts a fresh local installation (devcluster.harness: etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler; the kubelet stand-in and NVIDIA-like driver over simulated GPUs; the real webhook and the real
-agent as separate processes) and puts devcluster.load's workload through it: Job pods, each with a claim
+agent as separate processes; the API server calls the webhook at its own port, as kube-proxy forwards a Service
+in the kernel, not through the harness's Python stand-in for the Service) and puts devcluster.load's workload
+through it: Job pods, each with a claim
 from a ResourceClaimTemplate (MIG slices, every 8th a whole GPU), each looking for earlier tenants' canaries,
 writing its own and ending after a few seconds; at most --parallelism pods at once.
 
@@ -129,7 +131,9 @@ def main() -> int:
             with Cluster(
                 Path(base) / f"run-{i + 1}", gpus=args.gpus, mig_per_gpu=args.mig, client_qps=args.kube_api_qps or None
             ) as cluster:
-                if not scrubgate:
+                if scrubgate:
+                    cluster.call_webhook_directly()
+                else:
                     cluster.uninstall_scrubgate()
                 print(f"run {i + 1} ({header}): {spec}", file=sys.stderr, flush=True)
                 results.append(run_load(cluster, spec, lambda line: print(f"  {line}", file=sys.stderr, flush=True)))

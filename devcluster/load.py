@@ -197,6 +197,7 @@ class LoadResult:
             ("devices reused by a later claim", str(self.reallocations)),
             *self._scheduling_rows(),
             ("API requests per claim (scrubgate's share)", self._api_requests()),
+            ("kube-apiserver: scrubgate webhook calls per claim, mean wait", self._webhook_calls()),
             ("CPU per claim: control plane / scrubgate's webhook and agents", self._cpu_per_claim()),
             ("invariant violations (observer)", str(len(self.violations))),
             ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
@@ -224,6 +225,13 @@ class LoadResult:
             return "n/a"
         claims = max(len(self.claims), 1)
         return f"{scrubgate_requests(counts) / claims:.1f} ({counts[ALL_REQUESTS] / claims:.1f} in all)"
+
+    def _webhook_calls(self) -> str:
+        if (counts := self.api_requests) is None:
+            return "n/a"
+        calls = counts[WEBHOOK_CALLS]
+        wait = f"{1000 * counts[WEBHOOK_SECONDS] / calls:.1f} ms" if calls else "n/a"
+        return f"{calls / max(len(self.claims), 1):.1f}, {wait}"
 
     def cpu_per_claim(self, group: str) -> float:
         """CPU seconds per claim of a process group over the run: CONTROL_PLANE or SCRUBGATE."""
@@ -270,6 +278,8 @@ ALL_REQUESTS = "requests"
 AGENT_REQUESTS = "agent"  # made by scrubgate's agent
 REJECTED = "rejected"  # refused by scrubgate's webhooks: each would not have been made, or repeated, without it
 FENCE_STATUS = "fence-status"  # DeviceTaintRule status writes: kube-controller-manager's, as the agent writes none
+WEBHOOK_CALLS = "webhook-calls"  # kube-apiserver's calls to scrubgate's webhooks
+WEBHOOK_SECONDS = "webhook-seconds"  # and the time it waited on them, in all
 APISERVER_COUNTERS: dict[str, Keys] = {
     "apiserver_request_total": lambda labels: (
         (ALL_REQUESTS, FENCE_STATUS)
@@ -282,6 +292,12 @@ APISERVER_COUNTERS: dict[str, Keys] = {
     # exposed as apiserver_admission_webhook_rejection_count: prometheus_client names a counter's samples `*_total`
     "apiserver_admission_webhook_rejection_count_total": lambda labels: (
         (REJECTED,) if labels.get("name", "").endswith(f".{names.DOMAIN}") else ()
+    ),
+    "apiserver_admission_webhook_admission_duration_seconds_count": lambda labels: (
+        (WEBHOOK_CALLS,) if labels.get("name", "").endswith(f".{names.DOMAIN}") else ()
+    ),
+    "apiserver_admission_webhook_admission_duration_seconds_sum": lambda labels: (
+        (WEBHOOK_SECONDS,) if labels.get("name", "").endswith(f".{names.DOMAIN}") else ()
     ),
 }
 

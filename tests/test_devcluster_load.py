@@ -270,6 +270,14 @@ apiserver_flowcontrol_dispatched_requests_total{{flow_schema="exempt",priority_l
 # TYPE apiserver_admission_webhook_rejection_count counter
 apiserver_admission_webhook_rejection_count{{error_type="no_error",name="validate-multi-tenant.scrubgate.dev",operation="UPDATE",rejection_code="403",type="validating"}} {rejected}
 apiserver_admission_webhook_rejection_count{{error_type="no_error",name="deny.example.com",operation="CREATE",rejection_code="403",type="validating"}} {others}
+# HELP apiserver_admission_webhook_admission_duration_seconds [STABLE] Admission webhook latency histogram in seconds, identified by name and broken out for each operation and API resource and type (validating or admit).
+# TYPE apiserver_admission_webhook_admission_duration_seconds histogram
+apiserver_admission_webhook_admission_duration_seconds_bucket{{name="mutate.scrubgate.dev",operation="CREATE",rejected="false",type="admit",le="+Inf"}} {calls}
+apiserver_admission_webhook_admission_duration_seconds_sum{{name="mutate.scrubgate.dev",operation="CREATE",rejected="false",type="admit"}} {seconds}
+apiserver_admission_webhook_admission_duration_seconds_count{{name="mutate.scrubgate.dev",operation="CREATE",rejected="false",type="admit"}} {calls}
+apiserver_admission_webhook_admission_duration_seconds_bucket{{name="deny.example.com",operation="CREATE",rejected="true",type="validating",le="+Inf"}} {others}
+apiserver_admission_webhook_admission_duration_seconds_sum{{name="deny.example.com",operation="CREATE",rejected="true",type="validating"}} {others}
+apiserver_admission_webhook_admission_duration_seconds_count{{name="deny.example.com",operation="CREATE",rejected="true",type="validating"}} {others}
 """
 PATCHES = (
     'apiserver_request_total{code="200",component="apiserver",dry_run="",group="resource.k8s.io",'
@@ -280,7 +288,7 @@ PATCHES = (
 def apiserver_metrics(**changed: object) -> str:
     """The text with the counts at the run's start, less those `changed`."""
     values = dict(pods=100, refused=10, watches=5, status=2, patches="", agent=20, accounts=100, exempt=7)
-    values |= dict(rejected=10, others=1, schema=agent_flow_schema()["metadata"]["name"])
+    values |= dict(rejected=10, others=1, calls=4, seconds=0.1, schema=agent_flow_schema()["metadata"]["name"])
     return APISERVER_METRICS.format(**(values | changed))
 
 
@@ -288,7 +296,17 @@ def test_scrubgates_share_of_the_api_requests_is_the_agents_the_rejected_and_the
     before = counters(apiserver_metrics(), APISERVER_COUNTERS)
     after = counters(
         apiserver_metrics(
-            pods=300, refused=50, watches=7, status=6, patches=PATCHES, agent=50, accounts=400, rejected=50, others=5
+            pods=300,
+            refused=50,
+            watches=7,
+            status=6,
+            patches=PATCHES,
+            agent=50,
+            accounts=400,
+            rejected=50,
+            others=5,
+            calls=64,
+            seconds=0.85,
         ),
         APISERVER_COUNTERS,
     )
@@ -301,6 +319,8 @@ def test_scrubgates_share_of_the_api_requests_is_the_agents_the_rejected_and_the
     outcomes = [finished(ClaimOutcome("load", f"p{i}", "mig")) for i in range(10)]
     result = LoadResult(LoadSpec(claims=10), 8, 7, 10.0, outcomes, 0, [], [], api_requests=run)
     assert dict(result.rows())["API requests per claim (scrubgate's share)"] == "7.4 (27.6 in all)"
+    # 60 calls to scrubgate's webhooks (not another's), 0.75 s waited on them in all
+    assert dict(result.rows())["kube-apiserver: scrubgate webhook calls per claim, mean wait"] == "6.0, 12.5 ms"
 
 
 def test_without_scrubgate_its_share_comes_out_zero_and_unread_metrics_show_n_a() -> None:
@@ -309,5 +329,7 @@ def test_without_scrubgate_its_share_comes_out_zero_and_unread_metrics_show_n_a(
     outcomes = [finished(ClaimOutcome("load", f"p{i}", "mig")) for i in range(10)]
     result = LoadResult(LoadSpec(claims=10), 8, 7, 10.0, outcomes, 0, [], [], api_requests=baseline)
     assert dict(result.rows())["API requests per claim (scrubgate's share)"] == "0.0 (15.0 in all)"
+    assert dict(result.rows())["kube-apiserver: scrubgate webhook calls per claim, mean wait"] == "0.0, n/a"
     result.api_requests = counted_since(None, before)
     assert dict(result.rows())["API requests per claim (scrubgate's share)"] == "n/a"
+    assert dict(result.rows())["kube-apiserver: scrubgate webhook calls per claim, mean wait"] == "n/a"
