@@ -65,14 +65,15 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
 
     - a device allocated to a claim while an earlier claim that held it, and was used, has shown no
       attestation that verifies (signature, claim UID, that device verified clean);
-    - the ``scrubgate.dev/sanitize`` finalizer gone from a claim whose attestation does not verify, and
-      no break-glass annotation on it (break-glass is allowed by design; it releases the object only);
+    - the ``scrubgate.dev/sanitize`` finalizer gone from a used claim whose attestation does not verify,
+      and no break-glass annotation on it (break-glass is allowed by design; it releases the object only);
     - the allocation of a used claim that carried that finalizer cleared while no verified attestation
       covers its devices, and no break-glass annotation on it.
 
     Used: reserved for a pod that was bound to a node. A claim no pod ever ran with holds no tenant's data
-    (kube-scheduler clears such an allocation of its own in PostFilter). A claim deleted before it was ever
-    allocated may lose the finalizer without an attestation.
+    (kube-scheduler clears such an allocation of its own in PostFilter, and deletes its extended-resource claim,
+    finalizer and all, after a failed binding). A claim deleted before it was ever allocated may lose the
+    finalizer without an attestation.
     """
     violations: list[str] = []
     guarded: set[str] = set()  # claims that carried the finalizer
@@ -137,7 +138,7 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         if _allocated(claim):
             held.add(uid)
         # A claim deleted before it ever held a device owes no scrub: its finalizer may go unattested.
-        if had and not has and not break_glass and (uid in held or claimed_devices(claim)):
+        if had and not has and not break_glass and (uid in held or claimed_devices(claim)) and used(uid):
             required = claimed_devices(prev or {}) | claimed_devices(claim)
             try:
                 if not token:

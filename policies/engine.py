@@ -182,16 +182,28 @@ def _object_findings(obj: dict[str, Any], policy: PolicyConfig, trusted: bool, m
     return found
 
 
-def default(obj: Mapping[str, Any] | None, policy: PolicyConfig, operation: Operation = "CREATE") -> list[Finding]:
-    """Mutations for an object being created: the sanitize finalizer on an in-scope ResourceClaim (SG004).
-    Only on CREATE: on UPDATE the agent's own removal of the finalizer must not be undone. No grace period is
-    defaulted here: the API server sets an absent terminationGracePeriodSeconds to 30 s before any admission
-    webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""
-    if operation != "CREATE" or not isinstance(obj, dict) or not is_claim(obj):
+def default(
+    obj: Mapping[str, Any] | None,
+    policy: PolicyConfig,
+    operation: Operation = "CREATE",
+    admission: Admission | None = None,
+) -> list[Finding]:
+    """Mutations (SG004): the sanitize finalizer added to an in-scope ResourceClaim being created, and removed
+    on the UPDATE by which kube-scheduler releases a claim of its own that no container used
+    (`rules.scheduler_release`). Never added on UPDATE: the agent's own removal of the finalizer must not be
+    undone. No grace period is defaulted here: the API server sets an absent terminationGracePeriodSeconds to
+    30 s before any admission webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""
+    if operation not in ("CREATE", "UPDATE") or not isinstance(obj, dict) or not is_claim(obj):
         return []
     if kind_of(obj)[1] != "ResourceClaim" or not rules.gpu_requests(obj, policy):
         return []
-    return _findings(policy, "SG004", rules.claim_finalizer(obj))
+    if operation == "CREATE":
+        return _findings(policy, "SG004", rules.claim_finalizer(obj))
+    if admission is None or not isinstance(admission.old_object, dict):
+        return []
+    return _findings(
+        policy, "SG004", rules.scheduler_release_patch(obj, admission.old_object, admission.username, policy)
+    )
 
 
 def shared_claims(

@@ -333,6 +333,13 @@ def finalizer_guard(
     )
     old_finalizers = as_list(metadata(old).get("finalizers"))
     new_finalizers = as_list(metadata(obj).get("finalizers"))
+    if scheduler_release(old, new_finalizers, username, policy):
+        message = (
+            f"kube-scheduler ({username!r}) deletes a claim it allocated and reserved in a scheduling cycle whose "
+            f"binding failed, no container having used it: {names.DELETE_PROTECTION_FINALIZER} and "
+            f"{names.FINALIZER} removed, nothing to scrub"
+        )
+        return violations, [(message, "/metadata/finalizers", ())]
     protection = _delete_protection_removal(old, new_finalizers, username, is_admin, policy)
     violations += protection[0]
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
@@ -445,6 +452,35 @@ def _scheduler_may_clear(old: dict[str, Any]) -> bool:
         return False
     consumers = reserved_consumers(old)
     return not consumers or (len(consumers) == 1 and consumers[0][0] == "pods")
+
+
+def scheduler_release(old: dict[str, Any], new_finalizers: list[Any], username: str, policy: PolicyConfig) -> bool:
+    """Whether an UPDATE of a GPU claim is kube-scheduler deleting an extended-resource claim of its own after a
+    failed binding (its Unreserve removes `resource.kubernetes.io/delete-protection`, then deletes the claim):
+    from the scheduler, delete-protection going while the claim is allocated, and a claim it may clear
+    (`_scheduler_may_clear`: reserved for at most the one pod it was binding, never on an agent's record). No
+    container used it, so the sanitize finalizer may go with it: kept, it would hold the claim, and its GPU,
+    with nobody to attest it, and the pod Pending for good."""
+    if username not in policy.scheduler.identities or names.DELETE_PROTECTION_FINALIZER in new_finalizers:
+        return False
+    return bool(as_dict(old.get("status")).get("allocation")) and _scheduler_may_clear(old)
+
+
+def scheduler_release_patch(
+    obj: dict[str, Any], old: dict[str, Any], username: str, policy: PolicyConfig
+) -> list[Violation]:
+    """SG004's other half, for /mutate: the sanitize finalizer removed from a claim kube-scheduler is releasing
+    (`scheduler_release`), with a `test` of the entry it removes."""
+    finalizers = as_list(metadata(obj).get("finalizers"))
+    if names.FINALIZER not in finalizers or not scheduler_release(old, finalizers, username, policy):
+        return []
+    path = f"/metadata/finalizers/{finalizers.index(names.FINALIZER)}"
+    ops = ({"op": "test", "path": path, "value": names.FINALIZER}, {"op": "remove", "path": path})
+    message = (
+        f"kube-scheduler deletes a GPU claim of its own that no container used (its binding failed): "
+        f"{names.FINALIZER} goes with {names.DELETE_PROTECTION_FINALIZER}, so that the claim and its GPU are freed"
+    )
+    return [(message, "/metadata/finalizers", ops)]
 
 
 def deallocation_guard(

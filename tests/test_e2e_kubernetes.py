@@ -25,10 +25,11 @@ from e2e_support import (
     wait_gone,
     wait_phase,
 )
+from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 
 from devcluster import workloads
-from devcluster.harness import Cluster, denial, wait_for
+from devcluster.harness import Cluster, denial, object_path, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -180,6 +181,96 @@ def test_a_pod_asking_for_nvidia_com_gpu_is_guarded_like_any_gpu_claim(cluster: 
     wait_gone(cluster, ns, name)
     verified_attestation(cluster, claim["metadata"]["uid"])
     next_tenant_finds_nothing(cluster, next_ns, cluster.device_uuid(device[2]), device)
+    assert_invariant(cluster)
+
+
+def refuse_binding(namespace: str, pod: str) -> list[dict]:
+    """A ValidatingAdmissionPolicy (and its binding) refusing the scheduler's Binding of ``pod``: how a binding
+    fails on a real cluster (a node gone, an admission check) without one here."""
+    name = f"refuse-binding-{namespace}"
+    rule = {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding"]}
+    api = "admissionregistration.k8s.io/v1"
+    return [
+        {
+            "apiVersion": api,
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [rule]},
+                "validations": [{"expression": f"object.metadata.name != '{pod}'", "message": "binding refused"}],
+            },
+        },
+        {
+            "apiVersion": api,
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {
+                "policyName": name,
+                "validationActions": ["Deny"],
+                "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+            },
+        },
+    ]
+
+
+def binding_refused(cluster: Cluster, namespace: str, pod: str) -> bool:
+    """Whether the API server refuses a Binding of ``pod`` (a dry run: admission runs before the pod is looked
+    up, so the answer is the policy's, or NotFound while it is not in force yet)."""
+    body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod}, "target": {"name": cluster.node}}
+    try:
+        cluster.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/binding", body, query=[("dryRun", "All")])
+    except ApiException as exc:
+        return "binding refused" in (exc.body or "")
+    return False
+
+
+def test_the_schedulers_claim_of_a_failed_binding_does_not_hold_the_gpus(cluster: Cluster) -> None:
+    """KEP-5004: kube-scheduler creates, allocates and reserves the claim of a pod asking for nvidia.com/gpu in
+    PreBind; when the binding fails, its Unreserve removes delete-protection and deletes the claim. No container
+    used it: /mutate takes the sanitize finalizer away in that update, so the claim goes and the pod's next
+    attempt gets the GPUs (both of the node's: a claim left behind would hold them, and the pod Pending)."""
+    ns = tenant_namespace(cluster, "unbound")
+    refusal = refuse_binding(ns, "trainer")
+    for doc in refusal:
+        cluster.apply(doc)
+    try:
+        wait_for(lambda: binding_refused(cluster, ns, "trainer"), WAIT_S, "the Binding refusal in force")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "trainer"},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 60,
+                "containers": [{"name": "cuda", "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": "2"}}}],
+            },
+        }
+        cluster.core("alice").create_namespaced_pod(ns, body)
+
+        def failed_binding() -> bool:
+            conditions = ((cluster.pod(ns, "trainer") or {}).get("status") or {}).get("conditions") or []
+            return any("binding refused" in (c.get("message") or "") for c in conditions)
+
+        wait_for(failed_binding, WAIT_S, "kube-scheduler's binding refused")
+        wait_for(lambda: not cluster.claims(ns), WAIT_S, "the claim of the failed cycle deleted")
+    finally:
+        for doc in reversed(refusal):
+            cluster.request("DELETE", object_path(doc))
+    pod = wait_phase(cluster, ns, "trainer", "Running")
+    assert pod["spec"]["nodeName"] == cluster.node
+    released = [
+        r
+        for r in cluster.audit_records()
+        if r.get("namespace") == ns and r.get("decision") == "audit" and r.get("user") == "system:kube-scheduler"
+    ]
+    assert released and "binding failed" in released[0]["findings"][0]["message"], released
+    name = wait_for(lambda: cluster.pod_claim(ns, "trainer"), WAIT_S, "the scheduler's new claim")
+    claim = cluster.claim(ns, name)
+    assert claim is not None and names.FINALIZER in claim["metadata"]["finalizers"], "the used claim is guarded"
+    cluster.core("alice").delete_namespaced_pod("trainer", ns)
+    wait_gone(cluster, ns, name)
+    verified_attestation(cluster, claim["metadata"]["uid"])
     assert_invariant(cluster)
 
 

@@ -211,9 +211,12 @@ def test_cluster_scoped_webhook(docs: list[Doc]):
 
 
 def test_mutating_rules(docs: list[Doc]):
-    """Only GPU claims are mutated (the finalizer): the API server defaults a pod's grace period before any
-    webhook, so pods and workloads would only wait on the webhook for nothing."""
-    assert covered(by_name(docs)["mutate.scrubgate.dev"]) == {(names.RESOURCE_GROUP, "*", "resourceclaims", "CREATE")}
+    """Only GPU claims are mutated (the finalizer, and its removal when kube-scheduler releases a claim of its
+    own): the API server defaults a pod's grace period before any webhook, so pods and workloads would only wait
+    on the webhook for nothing."""
+    assert covered(by_name(docs)["mutate.scrubgate.dev"]) == {
+        (names.RESOURCE_GROUP, "*", "resourceclaims", op) for op in ("CREATE", "UPDATE")
+    }
 
 
 # --- matchConditions, evaluated with a CEL implementation (cel-cpp, like the API server's cel-go) ------
@@ -412,6 +415,12 @@ def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
             False,
         ),
         ("the agent's scrub status", claim(ours), claim(ours, **status), True),
+        (
+            "the agent's attested release of an allocated claim",
+            claim(protected, allocated=True),
+            claim([names.DELETE_PROTECTION_FINALIZER], allocated=True, **{names.ANNOTATION_ATTESTATION: "t"}),
+            True,
+        ),
         ("a Retain annotation", claim(ours), claim(ours, **{names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}), True),
         ("removing the sanitize finalizer", claim(protected), claim([names.DELETE_PROTECTION_FINALIZER]), True),
         ("the agent adding the sanitize finalizer", claim([]), claim(ours), True),
@@ -539,12 +548,35 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
 
 @pytest.mark.parametrize("name, data, expected", list(cases()), ids=lambda v: v if isinstance(v, str) else "")
 def test_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, expected: bool):
-    for _, hook in webhooks(docs):
-        assert reaches_webhook(cel_env, hook, data) is expected, f"{hook['name']}: {name}"
+    for kind, hook in webhooks(docs):
+        if kind == "ValidatingWebhookConfiguration":
+            assert reaches_webhook(cel_env, hook, data) is expected, f"{hook['name']}: {name}"
+
+
+def mutations() -> Iterator[tuple[str, Doc, bool]]:
+    """/mutate gets every claim CREATE, and of the UPDATEs only delete-protection leaving an allocated claim that
+    carries our finalizer (kube-scheduler releasing its own claim): never the agent's writes."""
+    yield "resourceclaims CREATE", admission(names.RESOURCE_GROUP, "resourceclaims", "CREATE", CLAIM, None), True
+    for name, data, expected in claim_updates():
+        old, new = data["oldObject"], data["object"]
+        releasing = (
+            "allocation" in old.get("status", {})
+            and {names.FINALIZER, names.DELETE_PROTECTION_FINALIZER} <= set(old["metadata"]["finalizers"])
+            and names.DELETE_PROTECTION_FINALIZER not in new["metadata"]["finalizers"]
+        )
+        assert not releasing or expected, name
+        yield name, data, releasing
+
+
+@pytest.mark.parametrize("name, data, expected", list(mutations()), ids=lambda v: v if isinstance(v, str) else "")
+def test_mutating_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, expected: bool):
+    assert reaches_webhook(cel_env, by_name(docs)["mutate.scrubgate.dev"], data) is expected, name
 
 
 def test_pod_delete_reads_the_old_object(docs: list[Doc]):
-    conditions = {c["name"]: c["expression"] for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"]}
+    conditions = {
+        c["name"]: c["expression"] for c in by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
+    }
     assert "request.operation == 'DELETE' ? oldObject.spec : object.spec" in conditions["pod-spec-may-hold-a-gpu"]
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import jsonpatch
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import public_key_pem, sign
 from scrubgate.policies.config import PolicyConfig, PolicyError, load_policy, parse_policy
-from scrubgate.policies.engine import Admission, Operation, validate
+from scrubgate.policies.engine import Admission, Operation, default, validate
 from scrubgate.policies.findings import Finding
 from test_attestation import DEVICE, KID, payload
 from test_attestation import claim as recorded_claim
@@ -311,6 +312,73 @@ def test_an_admin_may_remove_delete_protection_audited():
     (finding,) = claim_update(old, without_delete_protection(old), "root-admin", ("system:masters",))
     assert (finding.rule, finding.action) == ("SG007", "audit")
     assert f"admin 'root-admin' removed {names.DELETE_PROTECTION_FINALIZER}" in finding.message
+
+
+def mutate(old: dict[str, Any], new: dict[str, Any], user: str) -> list[dict[str, Any]]:
+    """The JSON Patch /mutate would answer for this claim UPDATE."""
+    findings = default(new, POLICY, "UPDATE", Admission("UPDATE", user, old_object=old))
+    return [op for finding in findings for op in finding.patch]
+
+
+def applied(obj: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    return jsonpatch.apply_patch(obj, ops)
+
+
+def test_the_scheduler_releasing_its_own_unbound_claim_takes_the_finalizer_with_it():
+    """KEP-5004: after a failed binding, kube-scheduler's Unreserve removes delete-protection from the
+    extended-resource claim it allocated in that cycle, then deletes it. /mutate takes the sanitize finalizer
+    away in that update (nothing to scrub: no container used it), and the validating side allows both removals,
+    recorded; kept, the finalizer would hold the claim and its GPU with nobody to attest it."""
+    old = scheduled()
+    old["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": "pod-a"}]
+    update = without_delete_protection(old)
+    ops = mutate(old, update, SCHEDULER)
+    assert ops == [
+        {"op": "test", "path": "/metadata/finalizers/0", "value": names.FINALIZER},
+        {"op": "remove", "path": "/metadata/finalizers/0"},
+    ]
+    released = applied(update, ops)
+    assert released["metadata"]["finalizers"] == []
+    (finding,) = claim_update(old, released, SCHEDULER, ("system:authenticated",))
+    assert (finding.rule, finding.action, finding.path) == ("SG007", "audit", "/metadata/finalizers")
+    assert "binding failed" in finding.message and "nothing to scrub" in finding.message
+    # The same update with the finalizer left (SG004 off, say) is allowed too: the claim would only wait longer.
+    assert [f.action for f in claim_update(old, update, SCHEDULER, ())] == ["audit"]
+
+
+@pytest.mark.parametrize(
+    "user, claim",
+    [
+        ("alice", scheduled),
+        (SCHEDULER, lambda: allocated(finalizers=PROTECTED)),  # on the agent's record: it was used
+        (
+            SCHEDULER,
+            lambda: (
+                scheduled()
+                | {
+                    "status": {
+                        **scheduled()["status"],
+                        "reservedFor": [
+                            {"resource": "pods", "name": "a", "uid": "pod-a"},
+                            {"resource": "pods", "name": "b", "uid": "pod-b"},
+                        ],
+                    }
+                }
+            ),
+        ),
+    ],
+    ids=["a-tenant", "a-used-claim", "reserved-for-two-pods"],
+)
+def test_no_one_else_and_no_used_claim_loses_the_finalizer_that_way(user, claim):
+    old = claim()
+    update = without_delete_protection(old)
+    assert mutate(old, update, user) == []
+    findings = claim_update(old, update, user, ("tenants",))
+    assert [(f.rule, f.action) for f in findings] == [("SG007", "deny")]
+    assert f"removed {names.DELETE_PROTECTION_FINALIZER}" in findings[0].message
+    both = claim_update(old, applied(update, [{"op": "remove", "path": "/metadata/finalizers/0"}]), user, ("tenants",))
+    assert [(f.rule, f.action) for f in both] == [("SG007", "deny")] * 2
+    assert f"removed the {names.FINALIZER} finalizer" in both[1].message
 
 
 def test_delete_protection_goes_freely_once_the_claim_holds_no_gpu():

@@ -332,6 +332,24 @@ def test_updates_are_not_mutated(webhook):
     assert "patch" not in post_review(webhook, "/mutate", review(claim, operation="UPDATE", old=claim))
 
 
+def test_the_schedulers_release_of_its_unbound_claim_loses_the_finalizer_over_the_wire(webhook):
+    """The one UPDATE /mutate patches: kube-scheduler removing delete-protection from the extended-resource
+    claim it allocated for a pod whose binding failed; the patch tests the entry it removes."""
+    old = gpu_claim(finalizers=[names.FINALIZER, names.DELETE_PROTECTION_FINALIZER])
+    old["status"] = {
+        "allocation": {
+            "devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n", "device": "gpu-0"}]}
+        },
+        "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-uid"}],
+    }
+    update = {**old, "metadata": {**old["metadata"], "finalizers": [names.FINALIZER]}}
+    scheduler = {"username": "system:kube-scheduler", "groups": ["system:authenticated"]}
+    ops = _patch_ops(post_review(webhook, "/mutate", review(update, operation="UPDATE", old=old, user=scheduler)))
+    assert jsonpatch.apply_patch(update, ops)["metadata"]["finalizers"] == []
+    tenant = {"username": "alice", "groups": ["tenants"]}
+    assert "patch" not in post_review(webhook, "/mutate", review(update, operation="UPDATE", old=old, user=tenant))
+
+
 def test_a_non_gpu_claim_is_not_mutated(webhook):
     claim = gpu_claim()
     claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "fpga.example.com"

@@ -12,6 +12,7 @@ from typing import Literal
 from scrubgate.policies.config import PolicyConfig
 from scrubgate.policies.engine import Admission, default, validate
 from scrubgate.policies.findings import Finding
+from scrubgate.policies.names import FINALIZER
 
 from . import responses
 from .defaults import MAX_FINDINGS_SHOWN
@@ -89,15 +90,26 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
 
 
 def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
-    """SG004 finalizer on CREATE of a GPU claim. The engine patches only what is absent, so a reinvocation
-    (reinvocationPolicy: IfNeeded) adds nothing twice; it finds nothing to default in other operations and
-    kinds (the API server has defaulted a pod's grace period before any webhook runs)."""
-    findings = default(request.object, policy, request.operation)
+    """SG004 finalizer on CREATE of a GPU claim, and its removal when kube-scheduler releases a claim of its own
+    that no container used. The engine patches only what is absent, so a reinvocation (reinvocationPolicy:
+    IfNeeded) adds nothing twice; it finds nothing to default in other operations and kinds (the API server has
+    defaulted a pod's grace period before any webhook runs)."""
+    admission = Admission(operation=request.operation, username=request.username, old_object=request.old_object)
+    findings = default(request.object, policy, request.operation, admission)
     ops = [op for finding in findings for op in finding.patch]
-    unsafe = [op for op in ops if op.get("op") != "add"]
+    unsafe = [op for op in ops if not _safe(op, ops)]
     if unsafe:
-        # Mutation may only add: a replace or remove could undo what the user or another webhook set.
-        raise ValueError(f"policy produced non-add patch operations {unsafe!r} for {describe(request)}")
+        # Mutation may only add, or remove scrubgate's own finalizer: a replace or another remove could undo what
+        # the user or another webhook set.
+        raise ValueError(f"policy produced unsafe patch operations {unsafe!r} for {describe(request)}")
     if not ops:
         return Outcome(responses.allowed(request.uid), "allow", findings)
     return Outcome(responses.patched(request.uid, ops), "patch", findings)
+
+
+def _safe(op: dict[str, object], ops: list[dict[str, object]]) -> bool:
+    """An add, or the removal of a finalizer entry the same patch first tests to be scrubgate's."""
+    if op.get("op") in ("add", "test"):
+        return True
+    ours = {"op": "test", "path": op.get("path"), "value": FINALIZER}
+    return op.get("op") == "remove" and str(op.get("path", "")).startswith("/metadata/finalizers/") and ours in ops
