@@ -152,6 +152,13 @@ COMPONENTS = (
     ("certs", "generate the webhook's CA and serving certificate", "scrubgate.certs.cli", "add_arguments", "run"),
     ("audit", "verify the audit log's hash chain", "scrubgate.webhook.cli", "add_audit_arguments", "run_audit"),
     ("reports", "keep PolicyReports of the cluster's objects up to date", "scrubgate.reports", "add_arguments", "run"),
+    (
+        "uninstall",
+        "remove scrubgate once no teardown is pending, leaving no fence and no claim held",
+        "scrubgate.uninstall",
+        "add_arguments",
+        "run",
+    ),
 )
 
 

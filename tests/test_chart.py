@@ -223,7 +223,7 @@ def test_the_render_is_the_kustomize_base(helm: str, tmp_path: Path):
         if (d["kind"], d["metadata"]["name"]) != ("ConfigMap", "scrubgate-webhook-client-ca")
     }
     # The namespace comes from --create-namespace (namespace.create renders it); the chart adds the TLS
-    # Secret it generates and, with reports.enabled, the reports Deployment, its RBAC and CRDs.
+    # Secret it generates, the uninstall hook and, with reports.enabled, the reports Deployment, its RBAC and CRDs.
     assert set(base) - set(chart) == {("Namespace", NAMESPACE)}
     assert {kind for kind, _ in set(chart) - set(base)} <= {
         "Pod",  # helm test's
@@ -233,6 +233,9 @@ def test_the_render_is_the_kustomize_base(helm: str, tmp_path: Path):
         "ClusterRole",
         "ClusterRoleBinding",
         "CustomResourceDefinition",
+        "Job",  # the pre-delete hook's, with its Role and RoleBinding
+        "Role",
+        "RoleBinding",
     }
     for key in sorted(set(base) & set(chart)):
         assert chart[key] == base[key], key
@@ -282,7 +285,7 @@ def test_image_and_version(default: list[Doc]):
     containers = [
         c for d in default for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
     ]
-    assert len(containers) == 3 and {c["image"] for c in containers} == {IMAGE}
+    assert len(containers) == 4 and {c["image"] for c in containers} == {IMAGE}  # webhook, agent, reports, hook
 
 
 # --- values ---------------------------------------------------------------------------------------
@@ -627,3 +630,52 @@ def test_the_packaged_chart_renders_the_same(helm: str, default: list[Doc], tmp_
         return [comparable(d) for d in docs if d["kind"] != "Secret"]
 
     assert without_certificate(packaged) == without_certificate(default)
+
+
+def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(helm: str, default: list[Doc]):
+    """The pre-delete hook: its Job runs `scrubgate uninstall` in the release's namespace within the hook's
+    deadline; its identity and rights are hooks made before it; they allow every call the command makes (run
+    against the stand-in API server of test_uninstall.py), and no more kinds than those."""
+    from test_uninstall import FakeApi, claim, webhook
+
+    from scrubgate.uninstall import uninstall
+
+    docs = render(helm, "-n", "gpu-guard")
+    job = one(docs, "Job", "scrubgate-uninstall")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["scrubgate"]
+    assert container["args"] == ["uninstall", "--namespace", "gpu-guard", "--timeout", "240"]
+    assert job["spec"]["activeDeadlineSeconds"] > 240 and job["spec"]["backoffLimit"] == 0
+    hooks = [d for d in docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-delete"]
+    for doc in hooks:
+        if doc["kind"] != "Job":
+            assert int(doc["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0, doc["kind"]
+
+    cluster_rules = one(docs, "ClusterRole", "scrubgate-uninstall")["rules"]
+    namespace_rules = one(docs, "Role", "scrubgate-uninstall")["rules"]
+    api = FakeApi()
+    webhook(api)
+    api.objects["/api/v1/pods"]["p"] = {"metadata": {"uid": "p"}, "status": {"phase": "Running"}}
+    api.objects["/apis/resource.k8s.io/v1/resourceclaims"]["busy"] = claim("busy", reserved=("p",))
+    assert uninstall(api, "scrubgate-system", 5, sleep=lambda _: None) == 0
+    for method, path in set(api.calls):
+        parts = path.strip("/").split("/")
+        if len(parts) <= 2:
+            continue  # API discovery: every authenticated user may read it
+        group = "" if parts[0] == "api" else parts[1]
+        rest = parts[2:] if parts[0] == "api" else parts[3:]
+        namespaced = rest[0] == "namespaces"
+        rest = rest[2:] if namespaced else rest
+        resource, name = rest[0], rest[1] if len(rest) > 1 else None
+        verb = {"GET": "get" if name else "list", "PUT": "update", "DELETE": "delete"}[method]
+        rules = [*cluster_rules, *(namespace_rules if namespaced else [])]
+        assert any(
+            group in r["apiGroups"]
+            and resource in r["resources"]
+            and verb in r["verbs"]
+            and (name is None or name in r.get("resourceNames", [name]))
+            for r in rules
+        ), f"{method} {path}: no rule allows {verb} {group}/{resource}"
+    manual = render(helm, "--set", "uninstall.waitForTeardowns=false")
+    assert not [d for d in manual if d["metadata"]["name"] == "scrubgate-uninstall"], "the README's manual order"

@@ -15,7 +15,10 @@ test_e2e_fence_guard.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import e2e_support
 import pytest
@@ -46,7 +49,7 @@ from test_e2e_faults import (
     wait_unschedulable,
 )
 
-from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, wait_for
+from devcluster.harness import CLAIM_CONTROLLER_USER, REPO_ROOT, Cluster, wait_for
 from devcluster.observer import first_rv, is_allocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -232,3 +235,47 @@ def test_uninstall_mid_teardown_fences_before_the_guard_goes_and_a_reinstall_fin
     # What the observer reports is the deallocation made while scrubgate was not installed, and nothing else.
     violations = cluster.observer.violations(cluster.public_keys)
     assert len(violations) == 1 and f"(uid {held.uid}) deallocated while" in violations[0], violations
+
+
+def test_uninstall_waits_for_the_pending_teardown_then_leaves_nothing_of_scrubgates(
+    cluster_factory: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """`scrubgate uninstall` (the chart's pre-delete hook): the guard stays while a teardown is pending, and
+    goes once it has ended, with no claim Terminating and no fence left; cut short, it removes nothing."""
+    cluster, held, _ = draining(cluster_factory, "waited")
+    kubeconfig = str(cluster.control_plane.credentials["admin"].kubeconfig)
+    command = [sys.executable, "-m", "scrubgate.cli", "uninstall", "--kubeconfig", kubeconfig]
+    command += ["--namespace", cluster.namespace]
+    refused = subprocess.run(
+        [*command, "--timeout", "2"], capture_output=True, text=True, timeout=60, check=False, cwd=REPO_ROOT
+    )
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"claim {held.namespace}/{held.claim}: teardown pending (scrub-status draining)" in refused.stderr
+    assert len(webhook_configurations(cluster)) == 3, "nothing removed while a teardown is pending"
+
+    log = tmp_path / "uninstall.log"
+    with log.open("w") as out:
+        waiting = subprocess.Popen([*command, "--timeout", "120"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        try:
+            wait_for(lambda: "waiting for pending teardowns" in log.read_text(), WAIT_S, "the uninstall waiting")
+            assert len(webhook_configurations(cluster)) == 3
+            cluster.clear_faults(held.uuid)  # the process leaves the GPU: drained, scrubbed, attested
+            assert waiting.wait(timeout=150) == 0, log.read_text()
+        finally:
+            waiting.kill()
+    released_clean(cluster, held)
+    assert webhook_configurations(cluster) == []
+    scrubgates = [r for r in cluster.taint_rules() if r["spec"]["taint"]["key"].startswith(f"{names.DOMAIN}/")]
+    assert scrubgates == []
+    claims = cluster.request("GET", f"/apis/{names.RESOURCE_GROUP}/v1/resourceclaims")["items"]
+    assert not [c for c in claims if c["metadata"].get("deletionTimestamp")], "a claim left Terminating"
+    assert not [c for c in claims if names.FINALIZER in c["metadata"].get("finalizers", [])]
+    assert_invariant(cluster)
+
+
+def webhook_configurations(cluster: Cluster) -> list[str]:
+    found = []
+    for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
+        items = cluster.request("GET", f"/apis/admissionregistration.k8s.io/v1/{kind}")["items"]
+        found += [i["metadata"]["name"] for i in items if i["metadata"]["name"].startswith("scrubgate-")]
+    return found

@@ -121,6 +121,7 @@ def build() -> dict[str, Any]:
                         "resources": RESOURCES,
                     }
                 ),
+                "uninstall": _object({"waitForTeardowns": BOOL, "timeoutSeconds": {"type": "integer", "minimum": 10}}),
                 "metrics": _object(
                     {"enabled": BOOL, "labels": STRING_MAP, "dashboardLabels": STRING_MAP, "dashboardNamespace": STRING}
                 ),
