@@ -326,6 +326,7 @@ class Cluster:
         installer: str = "kustomize",
         namespace: str = names.SYSTEM_NAMESPACE,
         client_qps: float | None = None,
+        helm_set: Iterable[str] = (),
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -363,6 +364,7 @@ class Cluster:
         if installer == "kustomize" and namespace != names.SYSTEM_NAMESPACE:
             raise ValueError(f"namespace {namespace!r}: the kustomize base installs into {names.SYSTEM_NAMESPACE}")
         self.installer = installer
+        self.helm_set = list(helm_set)  # `--set` values of the helm install, after the harness's own
         self.api = self.control_plane.apiserver
         self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
         self.webhook = ManagedProcess("webhook", self._webhook_argv(), self.paths.logs / "webhook.log", env)
@@ -671,6 +673,7 @@ class Cluster:
             "--set-file", f"certs.provided.caBundle={self.paths.certs / 'ca.crt'}",
             "--set", "reports.installCRDs=true",  # no policy engine here brings them
             "-f", str(keys),
+            *(arg for value in self.helm_set for arg in ("--set", value)),
         )  # fmt: skip
 
     def helm(self, *args: str) -> str:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import e2e_support
 import pytest
+import yaml
 from e2e_support import (
     allocated_device,
     assert_invariant,
@@ -22,10 +24,12 @@ from e2e_support import (
     wait_gone,
     wait_phase,
 )
+from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 
 from devcluster import workloads
 from devcluster.harness import REPO_ROOT, Cluster, wait_for
+from devcluster.processes import HarnessError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -48,7 +52,7 @@ def scrubgate(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_helm_install_then_a_gpu_job_and_reports_of_what_was_there(cluster_factory) -> None:
+def test_helm_install_then_a_gpu_job_and_reports_of_what_was_there(cluster_factory, tmp_path: Path) -> None:
     # In a namespace of another name than the base's: the chart names it wherever the base names its own, so
     # the agent's ServiceAccount, its RBAC and the policy's agent identity all meet there.
     cluster = cluster_factory(gpus=1, installer="helm", namespace="gpu-guard")
@@ -117,3 +121,35 @@ def test_helm_install_then_a_gpu_job_and_reports_of_what_was_there(cluster_facto
     }, results
     assert all(r["source"] == "scrubgate" and r["result"] in ("fail", "warn") for r in results), results
     assert_invariant(cluster)
+    # This release owns the report CRDs (reports.installCRDs, for a cluster with no policy engine): Kyverno's
+    # would not install beside them. The default leaves them to Kyverno (the test below).
+    with pytest.raises(HarnessError, match="cannot be imported into the current release"):
+        cluster.helm("install", "kyverno", str(kyverno_like_chart(tmp_path)))
+
+
+def kyverno_like_chart(root: Path) -> Path:
+    """A chart that installs the wgpolicyk8s.io CRDs as templates, owned by its release, as Kyverno's `crds`
+    subchart does."""
+    chart = root / "kyverno-crds"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: kyverno-crds\nversion: 3.5.0\n")
+    crds = [d for d in yaml.safe_load_all((REPO_ROOT / "manifests/components/reports/crds.yaml").read_text()) if d]
+    for crd in crds:
+        crd["metadata"]["labels"] = {"app.kubernetes.io/name": "kyverno"}
+    (chart / "templates" / "crds.yaml").write_text(yaml.safe_dump_all(crds))
+    return chart
+
+
+def test_kyverno_installs_its_report_crds_after_the_default_chart(cluster_factory, tmp_path: Path) -> None:
+    """The chart's defaults own no CRD of another project: Kyverno's chart, installed after it, creates the
+    wgpolicyk8s.io CRDs as its own; `scrubgate reports` then writes into them."""
+    cluster = cluster_factory(gpus=1, installer="helm", helm_set=("reports.installCRDs=false",))
+    crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/policyreports.wgpolicyk8s.io"
+    with pytest.raises(ApiException) as missing:
+        cluster.request("GET", crd_path)
+    assert missing.value.status == 404, "the default install created a CRD"
+    cluster.helm("install", "kyverno", str(kyverno_like_chart(tmp_path)))
+    crd = cluster.request("GET", crd_path)
+    assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == "kyverno"
+    written = scrubgate(cluster, "reports", "--once")
+    assert written.returncode == 0, written.stdout + written.stderr
