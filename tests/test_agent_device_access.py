@@ -6,7 +6,7 @@ import pytest
 from agent_support import DRIVER, NODE, make_node
 from scrubgate.sanitizer_agent.device_access import DeviceAccessError
 from scrubgate.sanitizer_agent.gpu import simulated
-from scrubgate.sanitizer_agent.gpu.mig import config_capability_problem
+from scrubgate.sanitizer_agent.gpu.mig import CapabilityNodes
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
 from test_agent_dynamic_mig import nvidia_slice
 
@@ -52,13 +52,21 @@ def test_dynamic_mig_without_mig_management_stops_the_agent(tmp_path):
     node.agent(backend=NoMigManagement(node.root)).start()
 
 
-def test_mig_config_capability_is_read_from_proc_and_opened(tmp_path):
-    proc, dev = tmp_path / "config", tmp_path / "dev"
-    dev.mkdir()
-    assert "cannot read" in (config_capability_problem(proc, dev) or "")
-    proc.write_text("DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
-    assert config_capability_problem(proc, dev) == f"cannot open {dev}/nvidia-cap1 (No such file or directory)"
-    (dev / "nvidia-cap1").write_bytes(b"")
-    assert config_capability_problem(proc, dev) is None
-    proc.write_text("garbage\n")
-    assert "names no DeviceFileMinor" in (config_capability_problem(proc, dev) or "")
+def test_mig_config_capability_is_read_from_proc_made_when_missing_and_opened(tmp_path):
+    proc, dev, devices = tmp_path / "capabilities", tmp_path / "dev", tmp_path / "devices"
+    made: list[tuple[int, int]] = []
+
+    def mknod(path, major, minor):
+        made.append((major, minor))
+        path.write_text("")
+
+    nodes = CapabilityNodes(proc=proc, dev=dev, devices=devices, mknod=mknod)
+    assert "cannot read" in (nodes.config_problem() or "")
+    (proc / "mig").mkdir(parents=True)
+    (proc / "mig" / "config").write_text("DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+    assert "names no nvidia-caps device major" in (nodes.config_problem() or "")
+    devices.write_text("Character devices:\n195 nvidia\n509 nvidia-caps\n")
+    assert nodes.config_problem() is None and made == [(509, 1)] and (dev / "nvidia-cap1").exists()
+    assert nodes.config_problem() is None and made == [(509, 1)], "an existing node is not made again"
+    (proc / "mig" / "config").write_text("garbage\n")
+    assert "names no DeviceFileMinor" in (nodes.config_problem() or "")

@@ -3,6 +3,7 @@ stand-ins of pynvml and cuda.bindings.driver (tests/fakes), so misuse of either 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -560,6 +561,69 @@ def test_the_last_scratch_instance_leaves_the_gpu_out_of_mig_mode_as_the_driver_
     assert open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1)).verified
     after = gpu_record(gpu["uuid"])
     assert after["migMode"] == 0 and not after["gis"]
+
+
+def in_a_container(node: Any) -> Any:
+    """The agent's view in its container: /dev/nvidia-caps as it was at start (empty), /proc the host's."""
+    from scrubgate.sanitizer_agent.gpu.mig import CapabilityNodes
+
+    paths = node.enable_capabilities()
+    return CapabilityNodes(proc=paths["proc"], dev=paths["dev"], devices=paths["devices"], mknod=fakegpu_mknod)
+
+
+def fakegpu_mknod(path: Path, major: int, minor: int) -> None:
+    sys.modules["fakegpu"].fake_mknod(path, major, minor)
+
+
+def test_the_scrubs_own_gpu_instance_gets_the_device_nodes_cuda_needs(node, open_nvml):
+    """The GPU instance the scrub creates has capability nodes no container started before it has: the agent
+    makes them (mknod, major from /proc/devices, minors from the driver's access files), as NVIDIA's driver
+    gives its workload containers theirs. Without them CUDA does not see the MIG device and the scrub fails."""
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)
+    node.create_mig(gpu, "19", start=4)
+    node.fill(tenant["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])
+    capabilities = in_a_container(node)
+    result = open_nvml(capabilities=capabilities).scrub_placement(MigPlacement(gpu["uuid"], 15, 2, 2))
+    assert result.verified, result.reason
+    made = sorted(p.name for p in capabilities.dev.iterdir())
+    assert len(made) == 2 and all(p.read_text().startswith("c 508:") for p in capabilities.dev.iterdir()), made
+
+    def refused(path: Path, major: int, minor: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    leftover = node.root / "mem" / tenant["memoryFile"]
+    leftover.write_bytes(CANARY * (leftover.stat().st_size // len(CANARY)))
+    for made_node in capabilities.dev.iterdir():
+        made_node.unlink()
+    unprivileged = dataclasses.replace(capabilities, mknod=refused)
+    result = open_nvml(capabilities=unprivileged).scrub_placement(MigPlacement(gpu["uuid"], 15, 2, 2))
+    assert not result.verified and "CAP_MKNOD" in result.reason and "cannot open MIG device" in result.reason
+    assert CANARY in leftover.read_bytes(), "not scrubbed, and said so: the device stays fenced"
+
+
+def test_a_mig_device_created_after_the_agent_started_is_reached_through_nodes_it_makes(node, open_nvml):
+    """NVIDIA's DRA driver creates a dynamic MIG device on prepare, after the agent's container started: the
+    scrub of it, before its unprepare, needs its nodes too."""
+    gpu = node.add_gpu(mig=[])
+    capabilities = in_a_container(node)
+    tenant = node.create_mig(gpu, "19", start=1)
+    node.fill(tenant["uuid"], CANARY)
+    result = open_nvml(capabilities=capabilities).scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert result.verified and result.uuid == tenant["uuid"], result.reason
+    assert canary_bytes(node, tenant["uuid"]) <= result.bytes_unreachable
+
+
+def test_the_start_up_check_makes_the_mig_config_node_and_opens_it(node, open_nvml):
+    node.add_gpu(mig=[])
+    capabilities = in_a_container(node)
+    backend = open_nvml(capabilities=capabilities)
+    assert backend.mig_management_problem() is None
+    assert (capabilities.dev / "nvidia-cap1").read_text() == "c 508:1\n"
+    capabilities.devices.write_text("Character devices:\n195 nvidia\n")
+    (capabilities.dev / "nvidia-cap1").unlink()
+    assert "names no nvidia-caps device major" in (backend.mig_management_problem() or "")
 
 
 def test_a_mig_device_not_yet_unprepared_is_scrubbed_through_itself(node, open_nvml):

@@ -14,7 +14,8 @@ import ctypes
 import logging
 import os
 import re
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,25 +25,95 @@ from .base import GpuError, MigPlacement
 
 log = logging.getLogger(__name__)
 
-MIG_CONFIG_CAPABILITY = Path("/proc/driver/nvidia/capabilities/mig/config")
+PROC_CAPABILITIES = Path("/proc/driver/nvidia/capabilities")
 CAPS_DEVICE_DIR = Path("/dev/nvidia-caps")
+PROC_DEVICES = Path("/proc/devices")
 
 
-def config_capability_problem(proc_file: Path = MIG_CONFIG_CAPABILITY, dev_dir: Path = CAPS_DEVICE_DIR) -> str | None:
-    """Why the MIG config capability cannot be used here, or None when its device node opens."""
-    try:
-        text = proc_file.read_text()
-    except OSError as exc:
-        return f"cannot read {proc_file} ({exc.strerror or exc}); the driver has no MIG or /proc is not the host's"
-    match = re.search(r"DeviceFileMinor:\s*(\d+)", text)
-    if match is None:
-        return f"{proc_file} names no DeviceFileMinor"
-    node = dev_dir / f"nvidia-cap{match.group(1)}"
-    try:
-        os.close(os.open(node, os.O_RDONLY))
-    except OSError as exc:
-        return f"cannot open {node} ({exc.strerror or exc})"
-    return None
+def _mknod(path: Path, major: int, minor: int) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o400, os.makedev(major, minor))
+
+
+@dataclass(frozen=True)
+class CapabilityNodes:
+    """The `/dev/nvidia-caps/nvidia-cap<minor>` nodes a process needs: the MIG config capability to create GPU
+    instances, and each MIG device's GPU and compute instance access capabilities to open it with CUDA. The
+    minor of each is the `DeviceFileMinor` of its file under /proc/driver/nvidia/capabilities.
+
+    A container's /dev is filled when it starts, privileged or not: the nodes of a GPU instance created later
+    (by the agent's scrub, or by NVIDIA's DRA driver for a dynamic MIG claim) are not in it, and the NVIDIA
+    container runtime keeps the driver from creating them (NVreg_ModifyDeviceFiles). So the agent makes the
+    ones it needs itself, with mknod, as NVIDIA's driver gives its workload containers theirs through CDI; the
+    privileged container's device cgroup lets it open them."""
+
+    proc: Path = PROC_CAPABILITIES
+    dev: Path = CAPS_DEVICE_DIR
+    devices: Path = PROC_DEVICES
+    mknod: Callable[[Path, int, int], None] = _mknod
+
+    def node(self, access_file: Path) -> Path:
+        """The node of the capability `access_file` describes, made when missing; raises GpuError."""
+        try:
+            text = access_file.read_text()
+        except OSError as exc:
+            raise GpuError(
+                f"cannot read {access_file} ({exc.strerror or exc}); the driver has no MIG or /proc is not the host's"
+            ) from exc
+        match = re.search(r"DeviceFileMinor:\s*(\d+)", text)
+        if match is None:
+            raise GpuError(f"{access_file} names no DeviceFileMinor")
+        node = self.dev / f"nvidia-cap{match.group(1)}"
+        if node.exists():
+            return node
+        try:
+            major = next(
+                int(fields[0])
+                for fields in (line.split() for line in self.devices.read_text().splitlines())
+                if len(fields) == 2 and fields[1] == "nvidia-caps"
+            )
+        except (OSError, StopIteration, ValueError) as exc:
+            raise GpuError(
+                f"{self.devices} names no nvidia-caps device major ({exc}); is the NVIDIA driver loaded?"
+            ) from exc
+        try:
+            self.dev.mkdir(parents=True, exist_ok=True)
+            self.mknod(node, major, int(match.group(1)))
+        except FileExistsError:
+            pass  # another scrub made it meanwhile
+        except OSError as exc:
+            raise GpuError(
+                f"cannot create {node} ({exc.strerror or exc}): the agent needs the privileged securityContext "
+                "(CAP_MKNOD) to reach MIG devices created after it started"
+            ) from exc
+        return node
+
+    def opens(self, node: Path) -> str | None:
+        """Why `node` cannot be opened, or None."""
+        try:
+            os.close(os.open(node, os.O_RDONLY))
+        except OSError as exc:
+            return f"cannot open {node} ({exc.strerror or exc})"
+        return None
+
+    def config_problem(self) -> str | None:
+        """Why this process cannot create GPU instances, or None once the MIG config capability's node exists
+        (made if missing) and opens: the start-up check that the scrub of a dynamic MIG placement can run."""
+        try:
+            return self.opens(self.node(self.proc / "mig" / "config"))
+        except GpuError as exc:
+            return str(exc)
+
+    def mig_device(self, gpu_minor: int, gi_id: int, ci_id: int) -> None:
+        """Makes (when missing) and opens the nodes CUDA needs for MIG device (GPU instance `gi_id`, compute
+        instance `ci_id`) of the GPU with minor number `gpu_minor`; raises GpuError. A driver without a
+        capabilities tree guards MIG devices with none: nothing to make (CUDA still says whether it sees it)."""
+        if not self.proc.is_dir():
+            return
+        gi = self.proc / f"gpu{gpu_minor}" / "mig" / f"gi{gi_id}"
+        for access in (gi / "access", gi / f"ci{ci_id}" / "access"):
+            problem = self.opens(self.node(access))
+            if problem is not None:
+                raise GpuError(f"{problem}: CUDA cannot open the MIG device of GPU instance {gi_id} on GPU {gpu_minor}")
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class NvmlBackend:
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
         params_path: Path = PARAMS_PATH,
-        mig_config_path: Path = mig.MIG_CONFIG_CAPABILITY,
+        capabilities: mig.CapabilityNodes | None = None,
         ecc_history_path: Path | None = None,
     ) -> None:
         try:
@@ -103,7 +103,7 @@ class NvmlBackend:
         self.python = python
         self.child_env = dict(child_env or {})
         self.params_path = params_path
-        self.mig_config_path = mig_config_path
+        self.capabilities = capabilities or mig.CapabilityNodes()
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
@@ -373,6 +373,17 @@ class NvmlBackend:
             total, reserved, _free = self._memory(entry.handle)
         except self._nvml.NVMLError as exc:
             raise GpuError(f"NVML cannot read memory of {uuid}: {exc}", uuid) from exc
+        if entry.parent_uuid is not None:
+            # A MIG device created after the agent started (NVIDIA's dynamic MIG, the scrub's own instance) has
+            # capability nodes this container's /dev lacks: without them CUDA does not see it.
+            try:
+                self.capabilities.mig_device(
+                    int(self._nvml.nvmlDeviceGetMinorNumber(entry.parent)),
+                    int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle)),
+                    int(self._nvml.nvmlDeviceGetComputeInstanceId(entry.handle)),
+                )
+            except (GpuError, self._nvml.NVMLError) as exc:
+                return result(False, f"cannot open MIG device {uuid} for its scrub: {exc}", total, reserved)
         report, failure = self._run_child(uuid)
         if failure is not None:
             return result(False, failure, total, reserved)
@@ -490,9 +501,9 @@ class NvmlBackend:
         return current == self._nvml.NVML_FEATURE_ENABLED
 
     def mig_management_problem(self) -> str | None:
-        """Why this process cannot create GPU instances, or None: the MIG config capability's device node
-        (named by `DeviceFileMinor` in its /proc file) must open."""
-        return mig.config_capability_problem(self.mig_config_path)
+        """Why this process cannot create GPU instances and open them, or None: the MIG config capability's
+        device node (named by `DeviceFileMinor` in its /proc file) is made if missing and must open."""
+        return self.capabilities.config_problem()
 
 
 def _where(placement: MigPlacement) -> str:

@@ -9,7 +9,12 @@ agree on one node:
 - ``mem/<uuid>``: each CUDA-visible device's memory, so what one process writes the next one reads,
   as on a GPU whose driver does not scrub on free; a MIG device's memory is its placement's
   (``mem/<GPU uuid>@<start>+<size>``), so a GPU instance created again there sees what the last one left;
-- ``contexts/<uuid>/<pid>``: processes holding a CUDA context (NVML lists them while they live).
+- ``contexts/<uuid>/<pid>``: processes holding a CUDA context (NVML lists them while they live);
+- with ``FakeNode.enable_capabilities()``, the driver's MIG capabilities: a `capabilities/` tree as under
+  /proc/driver/nvidia/capabilities (written when a GPU or compute instance is created, removed when it is
+  destroyed), `proc-devices` with the nvidia-caps major, and `dev-caps/` standing for /dev/nvidia-caps, which
+  starts empty as in a container: the fake CUDA driver then sees a MIG device only once the nodes of its
+  GPU and compute instance capabilities exist there.
 """
 
 from __future__ import annotations
@@ -46,6 +51,45 @@ def device_memory_path(record: dict[str, Any]) -> Path:
 
 def placement_file(gpu_uuid: str, start: int, size: int) -> str:
     return f"{gpu_uuid}@{start}+{size}"
+
+
+CAPS_MAJOR = 508
+
+
+def capability_minors(gpu_index: int, gi_id: int, ci_id: int) -> tuple[int, int]:
+    """The DeviceFileMinor of a GPU instance's and a compute instance's access capabilities (made up, distinct)."""
+    gi = 1000 + 100 * gpu_index + 10 * gi_id
+    return gi, gi + 1 + ci_id
+
+
+def capability_access(data: dict[str, Any], gpu_index: int, gi_id: int, ci_id: int | None = None) -> Path | None:
+    """The /proc access file of a GPU instance (or of its compute instance `ci_id`); None without capabilities."""
+    caps = data.get("capabilities")
+    if not caps:
+        return None
+    gi = Path(caps["proc"]) / f"gpu{gpu_index}" / "mig" / f"gi{gi_id}"
+    return gi / "access" if ci_id is None else gi / f"ci{ci_id}" / "access"
+
+
+def grant_capability(data: dict[str, Any], gpu_index: int, gi_id: int, ci_id: int | None = None) -> None:
+    """What the kernel driver does when a GPU instance (or compute instance) is created: its access file."""
+    access = capability_access(data, gpu_index, gi_id, ci_id)
+    if access is not None:
+        gi_minor, ci_minor = capability_minors(gpu_index, gi_id, ci_id or 0)
+        access.parent.mkdir(parents=True, exist_ok=True)
+        access.write_text(f"DeviceFileMinor: {gi_minor if ci_id is None else ci_minor}\nDeviceFileMode: 292\n")
+
+
+def revoke_capability(data: dict[str, Any], gpu_index: int, gi_id: int, ci_id: int | None = None) -> None:
+    access = capability_access(data, gpu_index, gi_id, ci_id)
+    if access is not None:
+        access.unlink(missing_ok=True)
+
+
+def fake_mknod(path: Path, major: int, minor: int) -> None:
+    """mknod as a test may run it: a regular file naming the device (no real driver behind the numbers)."""
+    with open(path, "x") as f:
+        f.write(f"c {major}:{minor}\n")
 
 
 def contexts_dir(uuid: str) -> Path:
@@ -160,6 +204,9 @@ class FakeNode:
             "memoryFile": placement_file(gpu["uuid"], start, slices),
         }
         gpu["migs"].append(mig)
+        index = self.data["gpus"].index(gpu)
+        grant_capability(self.data, index, gi_id)
+        grant_capability(self.data, index, gi_id, 0)
         path = self.root / "mem" / mig["memoryFile"]
         if not path.exists():
             with open(path, "wb") as f:
@@ -173,9 +220,32 @@ class FakeNode:
         for gpu in self.data["gpus"]:
             for mig in list(gpu["migs"]):
                 if mig["uuid"] == uuid:
+                    index = self.data["gpus"].index(gpu)
+                    revoke_capability(self.data, index, mig["gi"], mig["ci"])
+                    revoke_capability(self.data, index, mig["gi"])
                     gpu["migs"].remove(mig)
                     gpu["gis"] = [g for g in gpu["gis"] if g["id"] != mig["gi"]]
         self.save()
+
+    def enable_capabilities(self) -> dict[str, Path]:
+        """The driver's capability files as a host has them, and an empty /dev/nvidia-caps as a container started
+        before any MIG device has: the `CapabilityNodes` paths of this node."""
+        paths = {
+            "proc": self.root / "capabilities",
+            "dev": self.root / "dev-caps",
+            "devices": self.root / "proc-devices",
+        }
+        (paths["proc"] / "mig").mkdir(parents=True, exist_ok=True)
+        (paths["proc"] / "mig" / "config").write_text("DeviceFileMinor: 1\nDeviceFileMode: 256\n")
+        paths["dev"].mkdir(exist_ok=True)
+        paths["devices"].write_text(f"Character devices:\n195 nvidia\n{CAPS_MAJOR} nvidia-caps\n")
+        self.data["capabilities"] = {name: str(path) for name, path in paths.items()}
+        for index, gpu in enumerate(self.data["gpus"]):
+            for mig in gpu["migs"]:
+                grant_capability(self.data, index, mig["gi"])
+                grant_capability(self.data, index, mig["gi"], mig["ci"])
+        self.save()
+        return paths
 
     def device(self, uuid: str) -> dict[str, Any]:
         for gpu in self.data["gpus"]:

@@ -445,6 +445,15 @@ def _save_gpu(gpu: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _index(gpu: dict[str, Any]) -> int:
+    return next(i for i, g in enumerate(_gpus()) if g["uuid"] == gpu["uuid"])
+
+
+def nvmlDeviceGetMinorNumber(device: c_nvmlDevice_t) -> int:
+    """/dev/nvidia<minor> of a physical GPU: its index here."""
+    return _index(_physical(device, "nvmlDeviceGetMinorNumber"))
+
+
 def _mig_record(handle: Any, function: str) -> tuple[dict[str, Any], dict[str, Any]]:
     record, parent = _device(handle, function)
     if parent is None:
@@ -509,6 +518,7 @@ def nvmlDeviceCreateGpuInstanceWithPlacement(
     gi_id = max([g["id"] for g in gpu["gis"]], default=0) + 1
     gpu["gis"].append({"id": gi_id, "profileId": profileId, "start": wanted.start, "size": wanted.size})
     _save_gpu(gpu)
+    fakegpu.grant_capability(fakegpu.load(), _index(gpu), gi_id)
     return c_nvmlGpuInstance_t(gpu["uuid"], gi_id)
 
 
@@ -546,6 +556,7 @@ def nvmlGpuInstanceCreateComputeInstance(gpuInstance: c_nvmlGpuInstance_t, profi
             f.truncate(memory)
     gpu["migs"].append(mig)
     _save_gpu(gpu)
+    fakegpu.grant_capability(fakegpu.load(), _index(gpu), gi["id"], 0)
     return c_nvmlComputeInstance_t(gpu["uuid"], gi["id"], 0)
 
 
@@ -563,6 +574,7 @@ def nvmlComputeInstanceDestroy(computeInstance: c_nvmlComputeInstance_t) -> None
         raise NVMLError(NVML_ERROR_IN_USE)
     gpu["migs"].remove(mig)
     _save_gpu(gpu)
+    fakegpu.revoke_capability(fakegpu.load(), _index(gpu), gi["id"], computeInstance.ci_id)
 
 
 def nvmlGpuInstanceDestroy(gpuInstance: c_nvmlGpuInstance_t) -> None:
@@ -571,6 +583,7 @@ def nvmlGpuInstanceDestroy(gpuInstance: c_nvmlGpuInstance_t) -> None:
         raise NVMLError(NVML_ERROR_IN_USE)
     gpu["gis"].remove(gi)
     _save_gpu(gpu)
+    fakegpu.revoke_capability(fakegpu.load(), _index(gpu), gi["id"])
 
 
 # ---------------------------------------------------------------- test controls (not pynvml's)

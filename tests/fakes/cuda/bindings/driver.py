@@ -30,6 +30,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fakegpu
@@ -139,13 +140,23 @@ def _config() -> dict[str, Any]:
 
 def _visible_device() -> dict[str, Any] | None:
     wanted = os.environ.get("CUDA_VISIBLE_DEVICES")
-    for gpu in fakegpu.load()["gpus"]:
+    node = fakegpu.load()
+    for index, gpu in enumerate(node["gpus"]):
         # With MIG on, the GPU itself is no CUDA device; its MIG devices are.
         candidates = gpu["migs"] if gpu.get("migMode") == 1 else [gpu]
         for device in candidates:
-            if wanted is None or wanted == device["uuid"]:
+            if (wanted is None or wanted == device["uuid"]) and _openable(node, index, device):
                 return device
     return None
+
+
+def _openable(node: dict[str, Any], gpu_index: int, device: dict[str, Any]) -> bool:
+    """A MIG device is visible only where the nodes of its capabilities exist in /dev/nvidia-caps."""
+    caps = node.get("capabilities")
+    if not caps or "gi" not in device:
+        return True
+    minors = fakegpu.capability_minors(gpu_index, device["gi"], device["ci"])
+    return all((Path(caps["dev"]) / f"nvidia-cap{minor}").exists() for minor in minors)
 
 
 def _fault(call: str) -> CUresult | None:
