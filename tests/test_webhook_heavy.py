@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from scrubgate.policies.config import load_policy
 from scrubgate.webhook import handlers
+from scrubgate.webhook.fairlane import FairLane, requester
 from scrubgate.webhook.transport import decode, request_timeout
 from webhook_support import audit_records, gpu_claim, gpu_pod, review, serving
 
@@ -76,6 +77,92 @@ def test_a_small_request_is_answered_while_heavy_ones_are_evaluated(tmp_path, mo
             for thread in heavy:
                 thread.join(30)
         assert answers == [200, 200, 200]
+
+
+def test_requesters_take_turns_on_the_heavy_lane():
+    """A tenant's flood queued first: another tenant's request is evaluated after one of the flood's, not after
+    all of them; within a requester, in order."""
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def work(name: str):
+        def run() -> str:
+            if name == "blocker":
+                started.set()
+                release.wait(10)
+            order.append(name)
+            return name
+
+        return run
+
+    lane = FairLane()
+    first = lane.submit("mallory", work("blocker"))
+    assert started.wait(10)
+    flood = [lane.submit("mallory", work(f"flood-{i}")) for i in range(5)]
+    others = [
+        lane.submit("alice", work("alice-1")),
+        lane.submit("bob", work("bob-1")),
+        lane.submit("alice", work("alice-2")),
+    ]
+    release.set()
+    assert [f.result(10) for f in (first, *flood, *others)]
+    assert order[:5] == ["blocker", "flood-0", "alice-1", "bob-1", "flood-1"]
+    assert order[5:] == ["alice-2", "flood-2", "flood-3", "flood-4"]
+
+
+def test_the_requester_is_read_from_the_start_of_the_body_whatever_the_objects_size():
+    body = json.dumps(review(heavy_pod(5_000), user={"username": "system:serviceaccount:team-a:ci", "groups": []}))
+    assert len(body) > 500_000 and requester(body.encode()) == "system:serviceaccount:team-a:ci"
+    assert requester(b'{"request": {"object": {}}}') == ""
+
+
+def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp_path, monkeypatch):
+    """Through the webhook: mallory's heavy dry runs are being evaluated and queued; alice's one large pod is
+    answered after at most one more of mallory's, while most of the flood still waits."""
+    entered, release = threading.Semaphore(0), threading.Event()
+    evaluated: list[str] = []
+    real = handlers.handle_validate
+
+    def held(request, policy, *, trusted):
+        evaluated.append(request.username)
+        if len(evaluated) == 1:
+            entered.release()
+            release.wait(30)
+        return real(request, policy, trusted=trusted)
+
+    monkeypatch.setattr(handlers, "handle_validate", held)
+    with serving(tmp_path) as webhook:
+
+        def post(user: str, answers: list[float]) -> None:
+            body = json.dumps(review(heavy_pod(3_000), user={"username": user, "groups": []}, dry_run=True)).encode()
+            with webhook.client() as client:
+                response = client.post(
+                    "/validate", content=body, headers={"content-type": "application/json"}, timeout=60
+                )
+                assert response.status_code == 200
+                answers.append(time.monotonic())
+
+        flood_answers: list[float] = []
+        flood = [threading.Thread(target=post, args=("mallory", flood_answers)) for _ in range(6)]
+        flood[0].start()
+        assert entered.acquire(timeout=20)
+        for thread in flood[1:]:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while webhook.state.heavy_lane.queued() < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alice_answers: list[float] = []
+        alice = threading.Thread(target=post, args=("alice", alice_answers))
+        alice.start()
+        while webhook.state.heavy_lane.queued() < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.set()
+        alice.join(30)
+        for thread in flood:
+            thread.join(30)
+        assert evaluated.index("alice") <= 2, evaluated
+        assert len(flood_answers) == 6 and len(alice_answers) == 1
+        assert "scrubgate_webhook_heavy_requests_queued 0.0" in webhook.http.get("/metrics").text
 
 
 @pytest.mark.parametrize("size", [10, 200])

@@ -16,7 +16,6 @@ import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -30,12 +29,12 @@ from starlette.types import Receive, Scope, Send
 from . import handlers, responses
 from .defaults import (
     HEAVY_BODY_BYTES,
-    HEAVY_WORKERS,
     MAX_BODY_BYTES,
     MAX_FINDINGS_SHOWN,
     REPEAT_KEYS,
     REPEAT_WINDOW_S,
 )
+from .fairlane import FairLane, requester
 from .handlers import Outcome
 from .metrics import CONTENT_TYPE, Metrics
 from .policy_reload import PolicySource
@@ -87,9 +86,7 @@ class WebhookState:
     require_client_cert: bool = False
     watch_interval: float = 2.0
     heavy_body_bytes: int = HEAVY_BODY_BYTES
-    heavy_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(HEAVY_WORKERS, thread_name_prefix="scrubgate-heavy")
-    )
+    heavy_lane: FairLane = field(default_factory=FairLane)
     repeats: RepeatedRefusals = field(default_factory=lambda: RepeatedRefusals(REPEAT_WINDOW_S, REPEAT_KEYS))
 
 
@@ -182,11 +179,12 @@ class AdmissionEndpoint:
             body = await read_body(headers.get(b"content-length"), receive, state.max_body_bytes)
             if len(body) > state.heavy_body_bytes:
                 # Decoding and evaluating a big object takes long enough to hold up every small request behind
-                # it: a worker thread does it (and frees the object), the event loop keeps serving.
+                # it: a worker thread does it (and frees the object), the event loop keeps serving; requesters
+                # take turns there (fairlane.py), so that one tenant's flood does not hold up the others.
                 timeout = request_timeout(scope.get("query_string", b""))
                 deadline = started + timeout if timeout is not None else None
-                loop = asyncio.get_running_loop()
-                decided = await loop.run_in_executor(state.heavy_pool, partial(self.decide, body, deadline, heavy=True))
+                work = partial(self.decide, body, deadline, heavy=True)
+                decided = await asyncio.wrap_future(state.heavy_lane.submit(requester(body), work))
             else:
                 decided = self.decide(body)
         except TransportError as err:

@@ -10,10 +10,10 @@ AUDIT_BACKUPS: Final = 10
 AUDIT_CHECKPOINT_INTERVAL: Final = 60.0
 # Same bound as controller-runtime: an object may be up to ~3 MiB and an UPDATE carries two.
 MAX_BODY_BYTES: Final = 7 * 1024 * 1024
-# Bodies above this size are decoded and evaluated on a small thread pool, off the event loop, so that a
-# flood of heavy requests (a 2 MB pod with 25,000 tolerations) does not hold up small ones.
+# Bodies above this size are decoded and evaluated on one worker thread, off the event loop, so that a flood of
+# heavy requests (a 2 MB pod with 25,000 tolerations) does not hold up small ones; requesters take turns there
+# (fairlane.py), so that one tenant's flood does not hold up another tenant's large objects.
 HEAVY_BODY_BYTES: Final = 64 * 1024
-HEAVY_WORKERS: Final = 1
 # What one answer and one audit record carry of a request's findings: the first ones, and the count of the rest.
 MAX_FINDINGS_SHOWN: Final = 20
 # An identical refusal of the same object for the same user (the resourceclaim controller retrying a deallocation

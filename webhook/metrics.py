@@ -129,6 +129,12 @@ class Metrics:
             "Changed certificate/key pairs refused (the previous pair keeps serving).",
             registry=r,
         )
+        self.heavy_queued = Gauge(
+            "scrubgate_webhook_heavy_requests_queued",
+            "Heavy requests (bodies over 64 KiB) waiting for the one worker that evaluates them, which serves "
+            "requesters in turn; a queue that stays long means the API server's 5 s timeout refuses some.",
+            registry=r,
+        )
         self.cert_not_after = Gauge(
             "scrubgate_tls_certificate_not_after_seconds",
             "Expiry of the serving certificate in force, as a Unix time.",

@@ -177,6 +177,7 @@ def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
         require_client_cert=settings.client_ca is not None,
         watch_interval=settings.watch_interval,
     )
+    metrics.heavy_queued.set_function(state.heavy_lane.queued)
     return state, audit
 
 
