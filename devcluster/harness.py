@@ -212,6 +212,7 @@ class NodeFiles:
 
     gpus: Path
     kubeconfig: Path  # the node's own credentials (system:node:<name>)
+    agent_kubeconfig: Path  # its agent's: the agent's ServiceAccount, with a token bound to this Node
     checkpoint: Path  # its agent's
     node_log: Path
     agent_log: Path
@@ -224,6 +225,7 @@ class NodeFiles:
         return cls(
             gpus=paths.gpus / name,
             kubeconfig=beside(paths.node_kubeconfig),
+            agent_kubeconfig=beside(paths.kubeconfig),
             checkpoint=beside(paths.checkpoint),
             node_log=beside(paths.logs / "node.log"),
             agent_log=beside(paths.logs / "agent.log"),
@@ -632,8 +634,10 @@ class Cluster:
             self._install_with_helm()
         else:
             self._install_with_kustomize()
-        self.users["agent"].token = self.service_account_token(self.namespace, names.AGENT_SERVICE_ACCOUNT)
-        self._write_token_kubeconfig(self.paths.kubeconfig, "agent", self.users["agent"].token)
+        tokens = [self.service_account_token(self.namespace, names.AGENT_SERVICE_ACCOUNT, n.name) for n in self.nodes]
+        for node, token in zip(self.nodes, tokens, strict=True):
+            self._write_token_kubeconfig(node.files.agent_kubeconfig, "agent", token)
+        self.users["agent"].token = tokens[0]  # `agent` in the tests: the first node's
 
     def uninstall_scrubgate(self) -> None:
         """Removes scrubgate from the running installation, in the order README's "Uninstalling" gives: the
@@ -720,15 +724,25 @@ class Cluster:
         token = self.service_account_token(ns, sa)
         self._write_token_kubeconfig(self.paths.driver_kubeconfig, "driver", token)
 
-    def service_account_token(self, namespace: str, name: str) -> str:
-        """A token for a ServiceAccount from the TokenRequest API, as a projected token volume gets one."""
-        body = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": TOKEN_SECONDS},
-        }
+    def service_account_token(self, namespace: str, name: str, node: str | None = None) -> str:
+        """A token for a ServiceAccount from the TokenRequest API, as a projected token volume gets one; with
+        `node`, bound to that Node, so that the API server names the node in the user's extra
+        (authentication.kubernetes.io/node-name), as it does for a DaemonSet pod's projected token."""
+        spec: dict[str, Any] = {"expirationSeconds": TOKEN_SECONDS}
+        if node is not None:
+            uid = wait_for(lambda: self._node_uid(node), self.ready_timeout, f"node {node} registered")
+            spec["boundObjectRef"] = {"kind": "Node", "apiVersion": "v1", "name": node, "uid": uid}
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
         reply = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token", body)
         return reply["status"]["token"]
+
+    def _node_uid(self, node: str) -> str | None:
+        try:
+            return self.request("GET", f"/api/v1/nodes/{node}")["metadata"]["uid"]
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def _write_token_kubeconfig(self, path: Path, user: str, token: str) -> None:
         write_kubeconfig(path, self.url, self._ca_file, user, {"token": token})
@@ -792,7 +806,8 @@ class Cluster:
             "--node": name,
             "--gpu-backend": "simulated",
             "--simulated-root": files.gpus,
-            "--kubeconfig": p.kubeconfig,  # every node's agent: the one ServiceAccount and key, as the DaemonSet
+            # every node's agent: the one ServiceAccount and key, as the DaemonSet, its token bound to its node
+            "--kubeconfig": files.agent_kubeconfig,
             "--signing-key": p.signing_key,
             "--key-id": self.key_id,
             "--checkpoint": files.checkpoint,

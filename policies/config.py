@@ -62,6 +62,10 @@ class RuleSettings(_Model):
 
 class Agent(_Model):
     identities: tuple[str, ...] = (f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}",)
+    # An agent's writes count only for its own node's claims and fences: the node its credentials are bound to
+    # (userInfo.extra authentication.kubernetes.io/node-name, in a DaemonSet pod's projected token since
+    # Kubernetes 1.32), as the Node authorizer binds a kubelet to its node.
+    node_binding: bool = Field(True, alias="nodeBinding")
 
 
 class Scheduler(_Model):

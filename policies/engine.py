@@ -46,6 +46,7 @@ class Admission:
     options: Mapping[str, Any] | None = None
     dry_run: bool = False
     subresource: str = ""
+    node: str = ""  # the node the requester's credentials are bound to (a pod's or a Node-bound token)
 
 
 def _findings(policy: PolicyConfig, rule_id: str, violations: list[Violation]) -> list[Finding]:
@@ -111,7 +112,9 @@ def validate(
     existing = {(f.rule, f.path, f.message) for f in _object_findings(old, policy, trusted, manifest=False)}
     found = [f for f in found if (f.rule, f.path, f.message) not in existing]
     if kind_of(obj)[1] == "ResourceClaim" and _enabled(policy, "SG007"):
-        found += _guarded(policy, rules.finalizer_guard(obj, old, admission.username, admission.groups, policy))
+        found += _guarded(
+            policy, rules.finalizer_guard(obj, old, admission.username, admission.groups, policy, admission.node)
+        )
     return found
 
 
@@ -144,7 +147,7 @@ def _fence_findings(
     """SG007 on a DELETE (`obj` None) or UPDATE of a DeviceTaintRule that is one of scrubgate's fences."""
     if not fence_key(old) or not _enabled(policy, "SG007"):
         return []
-    return _guarded(policy, rules.fence_guard(obj, old, admission.username, admission.groups, policy))
+    return _guarded(policy, rules.fence_guard(obj, old, admission.username, admission.groups, policy, admission.node))
 
 
 def _guarded(

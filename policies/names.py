@@ -14,6 +14,7 @@ TENANCY_LABEL: Final = "scrubgate.dev/tenancy"
 TENANCY_TRUSTED: Final = "trusted"
 
 TAINT_UNSANITIZED: Final = "scrubgate.dev/unsanitized"
+ANNOTATION_FENCE_NODE: Final = "scrubgate.dev/node"  # on a fence: the node whose agent placed it
 TAINT_SCRUB_FAILED: Final = "scrubgate.dev/scrub-failed"
 
 DEALLOCATION_DELETE: Final = "Delete"

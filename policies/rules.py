@@ -323,14 +323,24 @@ def preset_annotations(
 
 
 def finalizer_guard(
-    obj: dict[str, Any], old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+    obj: dict[str, Any],
+    old: dict[str, Any],
+    username: str,
+    groups: tuple[str, ...],
+    policy: PolicyConfig,
+    node: str = "",
 ) -> tuple[list[Violation], list[Violation]]:
-    """SG007 on an UPDATE of a ResourceClaim. Returns (violations, break-glass removals to audit)."""
+    """SG007 on an UPDATE of a ResourceClaim; `node` is the one the requester's credentials are bound to.
+    Returns (violations, break-glass removals to audit)."""
     is_agent, is_admin = _roles(username, groups, policy)
     old_annotations, new_annotations = annotations(old), annotations(obj)
     violations = _annotation_writes(
         old_annotations, new_annotations, ("metadata",), username, is_agent, is_admin, policy
     )
+    if is_agent and old != obj:
+        elsewhere = _not_the_agents_node(claim_nodes(old), node, f"claim {_object_name(old)}", policy)
+        if elsewhere:
+            return [*violations, (elsewhere, "/metadata", ())], []  # nothing else it writes here counts
     old_finalizers = as_list(metadata(old).get("finalizers"))
     new_finalizers = as_list(metadata(obj).get("finalizers"))
     if scheduler_release(old, new_finalizers, username, policy):
@@ -349,7 +359,7 @@ def finalizer_guard(
     path = "/metadata/finalizers"
     reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()
     if is_agent:
-        problem = _attestation_problem(obj, old, policy)
+        problem = _attestation_problem(obj, old, policy, node if policy.agent.node_binding else None)
         if problem:
             violations.append((f"{names.FINALIZER} removed {problem}", path, ()))
         return violations, protection[1]
@@ -420,10 +430,13 @@ def _owes_no_scrub(claim: dict[str, Any], policy: PolicyConfig) -> bool:
         return False
 
 
-def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: PolicyConfig) -> str | None:
+def _attestation_problem(
+    claim: dict[str, Any], old: dict[str, Any], policy: PolicyConfig, node: str | None = None
+) -> str | None:
     """Why the claim's attestation does not cover every GPU it holds or held (None when it does). Devices of
     requests that cannot use a GPU class (a NIC in the same claim, say) hold no GPU memory: the agent does
-    not scrub them, and they need no attestation."""
+    not scrub them, and they need no attestation. With `node` (the agent's, under node binding), the
+    attestation must be that node's."""
     token = annotations(claim).get(names.ANNOTATION_ATTESTATION)
     if not isinstance(token, str) or not token:
         return f"without a {names.ANNOTATION_ATTESTATION} annotation"
@@ -431,10 +444,50 @@ def _attestation_problem(claim: dict[str, Any], old: dict[str, Any], policy: Pol
         required = _required_devices(old, policy) | _required_devices(claim, policy)
         coverage = policy.scrub_coverage
         limits = (coverage.max_unreachable_percent / 100, coverage.max_unreachable_bytes)
-        check_claim_attestation(token, claim, policy.public_keys, required, limits)
+        payload = check_claim_attestation(token, claim, policy.public_keys, required, limits)
     except AttestationError as exc:
         return f"with an attestation that does not hold: {exc}"
+    if node is not None and payload.get("node") != node:
+        return (
+            f"with an attestation of node {payload.get('node')!r} submitted by the agent of node {node!r}: an agent "
+            "attests only the scrub of its own node's devices"
+        )
     return None
+
+
+def claim_nodes(claim: dict[str, Any]) -> set[str]:
+    """The nodes a claim's allocation is on: its nodeSelector's `metadata.name` (the node-local devices of a DRA
+    driver), else the pools of its results (NVIDIA's driver names each pool after its node)."""
+    allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
+    found = {
+        as_str(value)
+        for term in as_list(as_dict(allocation.get("nodeSelector")).get("nodeSelectorTerms"))
+        for field in as_list(as_dict(term).get("matchFields"))
+        if as_dict(field).get("key") == "metadata.name" and as_dict(field).get("operator") == "In"
+        for value in as_list(as_dict(field).get("values"))
+    }
+    return found or {as_str(result.get("pool")) for result in allocation_results(claim) if result.get("pool")}
+
+
+def _not_the_agents_node(nodes: set[str], node: str, what: str, policy: PolicyConfig) -> str | None:
+    """Under node binding, why an agent bound to `node` may not act on `what` (on `nodes`), or None."""
+    if not policy.agent.node_binding:
+        return None
+    if not node:
+        return (
+            "the agent's credentials name no node (userInfo.extra authentication.kubernetes.io/node-name): SG007 "
+            "binds an agent to its node, so it acts only with its pod's projected token (Kubernetes 1.32 and "
+            "later), or a token bound to its Node; or set agent.nodeBinding: false in the policy"
+        )
+    if nodes and node not in nodes:
+        return f"the agent of node {node!r} acted on {what} of node {', '.join(sorted(nodes))}: an agent acts on its own node only"
+    return None
+
+
+def _object_name(obj: dict[str, Any]) -> str:
+    meta = metadata(obj)
+    namespace = as_str(meta.get("namespace"))
+    return f"{namespace}/{as_str(meta.get('name'))}" if namespace else as_str(meta.get("name"))
 
 
 def _scheduler_may_clear(old: dict[str, Any]) -> bool:
@@ -535,18 +588,27 @@ def deallocation_guard(
 
 
 def fence_guard(
-    obj: dict[str, Any] | None, old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+    obj: dict[str, Any] | None,
+    old: dict[str, Any],
+    username: str,
+    groups: tuple[str, ...],
+    policy: PolicyConfig,
+    node: str = "",
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on a DELETE (`obj` None) or UPDATE of one of scrubgate's fences, a DeviceTaintRule with a
     scrubgate.dev/ taint: lifting it, or pointing it at another device, hands a device that may still hold
     a tenant's data to the scheduler. Only the agent does that, after a verified scrub; an admin may, and
     is recorded. An UPDATE that leaves spec as it was (labels, annotations) moves no fence; creating a
-    fence only fences more, so CREATE is not guarded. Returns (violations, admin lifts to audit)."""
+    fence only fences more, so CREATE is not guarded. An agent lifts only its own node's fences (the node the
+    agent named on it, else its device's pool). Returns (violations, admin lifts to audit)."""
     if obj is not None and obj.get("spec") == old.get("spec"):
         return [], []
     is_agent, is_admin = _roles(username, groups, policy)
     if is_agent:
-        return [], []
+        pool = as_str(as_dict(as_dict(old.get("spec")).get("deviceSelector")).get("pool"))
+        fence_node = as_str(annotations(old).get(names.ANNOTATION_FENCE_NODE)) or pool
+        elsewhere = _not_the_agents_node({fence_node} - {""}, node, f"fence {_object_name(old)}", policy)
+        return ([(elsewhere, "/spec", ())] if elsewhere else []), []
     spec = as_dict(old.get("spec"))
     selector = as_dict(spec.get("deviceSelector"))
     device = "/".join(as_str(selector.get(field)) or "*" for field in ("driver", "pool", "device"))

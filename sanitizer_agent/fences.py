@@ -85,7 +85,10 @@ class Fencer:
         return self.rule_version is None
 
     def _rule(self, td: Teardown, name: str, device: FencedDevice, taint_key: str, value: str) -> dict[str, Any]:
-        annotations = {"scrubgate.dev/node": self.node, "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}"}
+        annotations = {
+            names.ANNOTATION_FENCE_NODE: self.node,
+            "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}",
+        }
         if isinstance(device, OverlapRecord):
             annotations[SHARES_MEMORY_ANNOTATION] = ", ".join(device.shares_memory_with)
         return {

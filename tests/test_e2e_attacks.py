@@ -45,7 +45,7 @@ from scrubgate.policies.attestation import (
 )
 
 from devcluster import workloads
-from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, denial, wait_for
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, User, denial, wait_for
 from devcluster.observer import first_rv, is_allocated, is_attested
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -472,6 +472,28 @@ def test_the_agents_own_attestation_would_pass(cluster: Cluster, book: AuditBook
     genuine = attestation_for(cluster, claim, agent_key(cluster), cluster.key_id)
     stored = book.allowed(lambda: patch(cluster, "agent", claim, stripping(claim, genuine), dry_run=True))
     assert names.FINALIZER not in stored["metadata"]["finalizers"]
+    assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
+
+
+def test_another_nodes_agent_cannot_release_this_nodes_claim(cluster: Cluster, book: AuditBook, victim: Victim) -> None:
+    """Every agent has the one ServiceAccount and key; its token is bound to its node (a DaemonSet pod's
+    projected token is), and the API server names that node in its user info. An agent elsewhere, with the
+    genuine key and a genuine attestation, is refused: it acts on its own node's claims only."""
+    cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "elsewhere"}})
+    token = cluster.service_account_token(cluster.namespace, names.AGENT_SERVICE_ACCOUNT, "elsewhere")
+    cluster.users["agent-elsewhere"] = User(cluster.users["agent"].name, token)
+    ns, name = victim.namespace, victim.claim["metadata"]["name"]
+    claim = current(cluster, victim.claim)
+    genuine = attestation_for(cluster, claim, agent_key(cluster), cluster.key_id)
+    message = book.denied(
+        lambda: patch(cluster, "agent-elsewhere", claim, stripping(claim, genuine)),
+        "SG007",
+        user="agent-elsewhere",
+        operation="UPDATE",
+        namespace=ns,
+        name=name,
+    )
+    assert f"the agent of node 'elsewhere' acted on claim {ns}/{name} of node {cluster.node}" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
 

@@ -63,13 +63,13 @@ def allocated_claim(devices=DEVICES, annotate=True) -> dict:
     }
 
 
-def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID, **figures: int) -> str:
+def attestation(key, *, uid=UID, devices=DEVICES, verified=True, kid=KID, node="node-a", **figures: int) -> str:
     now = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
     payload = build_payload(
         namespace="team-a",
         name="train-gpu-x7k2p",
         uid=uid,
-        node="node-a",
+        node=node,
         devices=[
             {
                 **d,
@@ -100,8 +100,11 @@ def released(old: dict, token: str | None = None, **extra_annotations) -> dict:
     return new
 
 
-def update(new, old, policy, user=AGENT, groups=("system:serviceaccounts",)):
-    return validate(new, policy, trusted=False, admission=Admission("UPDATE", user, tuple(groups), old))
+def update(new, old, policy, user=AGENT, groups=("system:serviceaccounts",), node="node-a"):
+    """An UPDATE by `user`, its credentials bound to `node` (the agent's pod runs on node-a, where the claims'
+    devices are)."""
+    admission = Admission("UPDATE", user, tuple(groups), old, node=node)
+    return validate(new, policy, trusted=False, admission=admission)
 
 
 def verdict(findings):
@@ -114,6 +117,29 @@ def verdict(findings):
 def test_agent_with_a_valid_attestation_may_remove_the_finalizer(key, keyed_policy):
     old = allocated_claim()
     assert update(released(old, attestation(key)), old, keyed_policy) == []
+
+
+def test_an_agent_acts_only_on_its_own_nodes_claims(key, keyed_policy):
+    """Issue: every agent shares one ServiceAccount and one key, so one node's agent could release another
+    node's claim. Its credentials name its node (a pod's projected token): the claim's devices must be there,
+    and so must the attestation's node."""
+    old = allocated_claim()  # its devices are on node-a
+    (finding,) = update(released(old, attestation(key)), old, keyed_policy, node="node-b")
+    assert finding.action == "deny" and "the agent of node 'node-b' acted on claim" in finding.message
+    assert "of node node-a" in finding.message
+    (finding,) = update(released(old, attestation(key, node="node-b")), old, keyed_policy)
+    assert "with an attestation of node 'node-b' submitted by the agent of node 'node-a'" in finding.message
+    failed = copy.deepcopy(old)
+    failed["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] = "failed:scrub"
+    assert verdict(update(failed, old, keyed_policy, node="node-b")) == [("SG007", "deny")], "a status too"
+
+
+def test_an_agent_whose_credentials_name_no_node_is_refused_unless_binding_is_off(key, keyed_policy):
+    old = allocated_claim()
+    (finding,) = update(released(old, attestation(key)), old, keyed_policy, node="")
+    assert "the agent's credentials name no node" in finding.message and "nodeBinding: false" in finding.message
+    unbound = keyed_policy.model_copy(update={"agent": keyed_policy.agent.model_copy(update={"node_binding": False})})
+    assert update(released(old, attestation(key, node="anywhere")), old, unbound, node="") == []
 
 
 GiB = 1 << 30

@@ -74,7 +74,7 @@ def status_update(
     operation: Operation = "UPDATE",
     subresource: str = "status",
 ) -> list[Finding]:
-    admission = Admission(operation, user, groups, old_object=old, subresource=subresource)
+    admission = Admission(operation, user, groups, old_object=old, subresource=subresource, node="node-a")
     return validate(new, policy, trusted=False, admission=admission)
 
 

@@ -50,8 +50,10 @@ def admit(
     groups: tuple[str, ...] = TENANT_GROUPS,
     policy: PolicyConfig = POLICY,
     subresource: str = "",
+    node: str = "node-1",
 ) -> list[Finding]:
-    admission = Admission(operation, user, groups, old_object=old, subresource=subresource)
+    """`user`'s request, its credentials bound to `node` (where the fence's agent runs)."""
+    admission = Admission(operation, user, groups, old_object=old, subresource=subresource, node=node)
     return validate(new, policy, trusted=False, admission=admission)
 
 
@@ -221,3 +223,15 @@ def test_a_pod_delete_still_goes_to_the_force_delete_rule():
     }
     admission = Admission("DELETE", TENANT, TENANT_GROUPS, old_object=pod, options={"gracePeriodSeconds": 0})
     assert [f.rule for f in validate(None, POLICY, trusted=False, admission=admission)] == ["SG008"]
+
+
+def test_an_agent_lifts_only_its_own_nodes_fences():
+    """The node the agent named on the fence (else its device's pool) must be the one its credentials name."""
+    agent = {"user": AGENT, "groups": ("system:serviceaccounts",)}
+    assert admit("DELETE", fence(), **agent, node="node-1") == []
+    assert "the agent of node 'node-2' acted on fence" in only(admit("DELETE", fence(), **agent, node="node-2")).message
+    unnamed = fence()
+    del unnamed["metadata"]["annotations"]["scrubgate.dev/node"]
+    pool = unnamed["spec"]["deviceSelector"]["pool"]
+    assert admit("DELETE", unnamed, **agent, node=pool) == []
+    assert only(admit("DELETE", unnamed, **agent, node=f"not-{pool}")).action == "deny"

@@ -14,8 +14,8 @@ from scrubgate.webhook import handlers
 from scrubgate.webhook.audit import verify_files
 from webhook_support import (
     ADMIN,
-    AGENT,
     AGENT_KEYS,
+    AGENT_ON_NODE_1,
     USER,
     allocated_claim,
     attestation,
@@ -167,14 +167,14 @@ def test_a_user_cannot_remove_the_sanitize_finalizer(webhook):
 
 def test_the_agent_removes_the_finalizer_with_a_validattestation(webhook):
     old = allocated_claim()
-    body = review(_released(old, attestation(old)), operation="UPDATE", old=old, user={"username": AGENT})
+    body = review(_released(old, attestation(old)), operation="UPDATE", old=old, user=AGENT_ON_NODE_1)
     assert post_review(webhook, "/validate", body)["allowed"] is True
 
 
 def test_an_attestation_for_another_claim_is_refused(webhook):
     old = allocated_claim()
     token = attestation(old, uid="00000000-0000-4000-8000-000000000099")
-    body = review(_released(old, token), operation="UPDATE", old=old, user={"username": AGENT})
+    body = review(_released(old, token), operation="UPDATE", old=old, user=AGENT_ON_NODE_1)
     response = post_review(webhook, "/validate", body)
     assert response["allowed"] is False
     assert "attestation" in response["status"]["message"]

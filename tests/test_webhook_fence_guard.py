@@ -69,7 +69,15 @@ def test_every_served_version_is_guarded(webhook, version: str):
 
 
 def test_the_agent_lifts_its_fence_without_a_record(webhook):
-    body = fence_review("DELETE", fence(), user={"username": AGENT, "groups": ["system:serviceaccounts"]})
+    body = fence_review(
+        "DELETE",
+        fence(),
+        user={
+            "username": AGENT,
+            "groups": ["system:serviceaccounts"],
+            "extra": {"authentication.kubernetes.io/node-name": ["node-1"]},
+        },
+    )
     assert post_review(webhook, "/validate", body) == {"uid": body["request"]["uid"], "allowed": True}
     assert unrecorded(webhook, body)
 

@@ -88,6 +88,8 @@ def serving(directory: Path, policy: dict[str, Any] | None = None) -> Iterator[R
 
 USER = {"username": "alice", "uid": "u-1", "groups": ["team-a", "system:authenticated"]}
 AGENT = "system:serviceaccount:scrubgate-system:scrubgate-agent"
+# The agent as its DaemonSet pod's projected token names it: bound to its node, node-1 (where DEVICE is).
+AGENT_ON_NODE_1 = {"username": AGENT, "extra": {"authentication.kubernetes.io/node-name": ["node-1"]}}
 
 _RESOURCES = {
     "Pod": ("", "v1", "pods"),

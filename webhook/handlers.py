@@ -72,6 +72,7 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
         options=request.options,
         dry_run=request.dry_run,
         subresource=request.sub_resource,
+        node=request.node,
     )
     findings = validate(request.object, policy, trusted=trusted, admission=admission)
     if not findings:

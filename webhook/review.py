@@ -27,6 +27,7 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
 # On the TypedDicts as `__pydantic_config__` (pydantic.with_config needs pydantic 2.7; pyproject allows 2.6).
 _STRICT = ConfigDict(strict=True, extra="ignore")
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 
 # The wire format: compact JSON. One encoder for every answer (json.dumps with separators builds a new
 # JSONEncoder on each call).
@@ -95,6 +96,12 @@ class AdmissionRequest(BaseModel):
     @property
     def groups(self) -> tuple[str, ...]:
         return tuple(self.user_info.get("groups", ()))
+
+    @property
+    def node(self) -> str:
+        """The node the requester's credentials are bound to (a pod's projected token, or a token bound to a
+        Node), as the API server puts it in the user's extra; "" when they name none."""
+        return next(iter(self.user_info.get("extra", {}).get(NODE_NAME_EXTRA, [])), "")
 
 
 class AdmissionReview(TypedDict):
