@@ -22,6 +22,7 @@ from .model import (
     is_eviction,
     is_known,
     is_namespace,
+    is_node,
     is_pod_group,
     kind_of,
     metadata,
@@ -123,7 +124,7 @@ def _other_findings(
 ) -> list[Finding]:
     """The kinds the claim and pod rules do not read, of which a few are guarded: DeviceClasses (SG009, in CI
     too), PodGroups sharing claims (SG002), Namespaces' tenancy label (SG010), Evictions (SG008) and
-    scrubgate's own fences (SG007)."""
+    scrubgate's own fences, DeviceTaintRules and node taints (SG007)."""
     if is_device_class(obj):
         return _findings(policy, "SG009", rules.gpu_class_coverage(obj, policy))
     if is_pod_group(obj):
@@ -134,6 +135,10 @@ def _other_findings(
     if is_namespace(obj) and admission.operation in ("CREATE", "UPDATE") and _enabled(policy, "SG010"):
         result = rules.tenancy_label(obj, old, admission.username, admission.groups, policy)
         return _guarded(policy, result, "SG010")
+    if is_node(obj) and admission.operation == "UPDATE" and old is not None and _enabled(policy, "SG007"):
+        return _guarded(
+            policy, rules.node_fence_guard(obj, old, admission.username, admission.groups, policy, admission.node)
+        )
     if is_eviction(obj) and admission.operation == "CREATE":
         return _findings(policy, "SG008", rules.force_evict(obj, admission.groups, policy))
     if admission.operation != "UPDATE" or old is None:

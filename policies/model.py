@@ -82,6 +82,10 @@ def is_namespace(obj: dict[str, Any]) -> bool:
     return kind_of(obj) == ("v1", "Namespace")
 
 
+def is_node(obj: dict[str, Any]) -> bool:
+    return kind_of(obj) == ("v1", "Node")
+
+
 def is_eviction(obj: dict[str, Any]) -> bool:
     api_version, kind = kind_of(obj)
     return kind == "Eviction" and api_version in ("policy/v1", "policy/v1beta1")

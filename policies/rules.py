@@ -628,6 +628,41 @@ def fence_guard(
     ], []
 
 
+def node_fence_guard(
+    obj: dict[str, Any],
+    old: dict[str, Any],
+    username: str,
+    groups: tuple[str, ...],
+    policy: PolicyConfig,
+    node: str = "",
+) -> tuple[list[Violation], list[Violation]]:
+    """SG007 on an UPDATE of a Node that lifts or changes scrubgate's fallback fence, a node taint with a
+    scrubgate.dev/ key (where no DeviceTaintRule API is served): as for a DeviceTaintRule, only the agent of
+    that node, after a verified scrub; an admin may, and is recorded. Adding one only fences more."""
+
+    def ours(node_obj: dict[str, Any]) -> list[dict[str, Any]]:
+        taints = as_list(as_dict(node_obj.get("spec")).get("taints"))
+        return [as_dict(t) for t in taints if as_str(as_dict(t).get("key")).startswith(f"{names.DOMAIN}/")]
+
+    before, after = ours(old), ours(obj)
+    lifted = [t for t in before if t not in after]
+    if not lifted:
+        return [], []
+    is_agent, is_admin = _roles(username, groups, policy)
+    name = as_str(metadata(old).get("name"))
+    if is_agent:
+        elsewhere = _not_the_agents_node({name}, node, f"the taints of node {name!r}", policy)
+        return ([(elsewhere, "/spec/taints", ())] if elsewhere else []), []
+    what = ", ".join(sorted({as_str(t.get("key")) for t in lifted}))
+    if is_admin:
+        return [], [(f"admin {username!r} lifted scrubgate's fence {what} from node {name!r}", "/spec/taints", ())]
+    message = (
+        f"user {username!r} lifted scrubgate's fence {what} from node {name!r}: only the node's scrubgate agent "
+        f"lifts it, after a verified scrub; members of the policy's admin groups may, and are audited"
+    )
+    return [(message, "/spec/taints", ())], []
+
+
 def _pod_done(pod: dict[str, Any]) -> bool:
     """A pod whose containers are gone or never ran: its final deletion (the kubelet deletes with grace 0
     after the containers stopped) skips no teardown."""

@@ -496,6 +496,25 @@ def test_another_nodes_agent_cannot_release_this_nodes_claim(cluster: Cluster, b
     assert f"the agent of node 'elsewhere' acted on claim {ns}/{name} of node {cluster.node}" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
+    # Nor does it lift this node's fallback fence (a node taint); this node's own agent does.
+    fence = {"key": names.TAINT_SCRUB_FAILED, "value": "test", "effect": "NoSchedule"}
+    path = f"/api/v1/nodes/{cluster.node}"
+    taints = (cluster.request("GET", path)["spec"] or {}).get("taints") or []
+    merge = "application/merge-patch+json"
+    cluster.request("PATCH", path, {"spec": {"taints": [*taints, fence]}}, content_type=merge)
+    lift = {"spec": {"taints": taints}}
+    message = book.denied(
+        lambda: cluster.request("PATCH", path, lift, user="agent-elsewhere", content_type=merge),
+        "SG007",
+        user="agent-elsewhere",
+        operation="UPDATE",
+        namespace="",
+        name=cluster.node,
+    )
+    assert f"the agent of node 'elsewhere' acted on the taints of node '{cluster.node}'" in message, message
+    book.allowed(lambda: cluster.request("PATCH", path, lift, user="agent", content_type=merge))
+    assert fence not in (cluster.request("GET", path)["spec"].get("taints") or [])
+
 
 def test_an_attestation_must_cover_every_device(cluster: Cluster, book: AuditBook) -> None:
     ns = tenant_namespace(cluster, "pair")

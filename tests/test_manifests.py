@@ -205,6 +205,7 @@ def test_cluster_scoped_webhook(docs: list[Doc]):
         *(("", "v1", "namespaces", op) for op in ("CREATE", "UPDATE")),
         ("", "v1", "namespaces/status", "UPDATE"),
         ("", "v1", "namespaces/finalize", "UPDATE"),
+        ("", "v1", "nodes", "UPDATE"),  # the fallback fence: a node taint
     }
     assert cluster_scoped(hook)
     assert hook["matchConditions"] == by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
@@ -437,6 +438,26 @@ def namespace(**labels: str) -> Doc:
     return {"metadata": {"name": "team-a", "labels": labels} if labels else {"name": "team-a"}, "spec": {}}
 
 
+def node_updates() -> Iterator[tuple[str, Doc, bool]]:
+    """A Node UPDATE reaches the webhook only when it lifts or changes one of scrubgate's taints."""
+    fence = {"key": names.TAINT_UNSANITIZED, "effect": "NoSchedule"}
+    other = {"key": "example.com/maintenance", "effect": "NoSchedule"}
+
+    def node(*taints: Doc, **labels: str) -> Doc:
+        spec: Doc = {"taints": list(taints)} if taints else {}
+        return {"metadata": {"name": "gpu-1", "labels": labels}, "spec": spec, "status": {}}
+
+    for name, old, new, expected in [
+        ("the fence lifted", node(fence, other), node(other), True),
+        ("the fence's effect changed", node(fence), node({**fence, "effect": "PreferNoSchedule"}), True),
+        ("the fence added", node(other), node(other, fence), False),
+        ("a label changed while fenced", node(fence), node(fence, team="a"), False),
+        ("another taint lifted", node(fence, other), node(fence), False),
+        ("no taints at all", node(), node(team="a"), False),
+    ]:
+        yield f"nodes UPDATE: {name}", admission("", "nodes", "UPDATE", new, old), expected
+
+
 def namespace_writes() -> Iterator[tuple[str, Doc, bool]]:
     trusted = namespace(**{names.TENANCY_LABEL: names.TENANCY_TRUSTED})
     writes = [
@@ -533,6 +554,7 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
                 expected,
             )
     yield from namespace_writes()
+    yield from node_updates()
     device_class = {"metadata": {"name": "h100"}, "spec": {"selectors": []}}
     yield "deviceclasses CREATE", admission(names.RESOURCE_GROUP, "deviceclasses", "CREATE", device_class, None), True
     for claims, expected in (([{"name": "gpu", "resourceClaimTemplateName": "t"}], True), (None, False)):

@@ -64,10 +64,10 @@ def respecced(old: dict[str, Any], **changes: Any) -> dict[str, Any]:
     return new
 
 
-def only(findings: list[Finding]) -> Finding:
+def only(findings: list[Finding], path: str = "/spec") -> Finding:
     assert len(findings) == 1, findings
     finding = findings[0]
-    assert (finding.rule, finding.path, finding.patch) == ("SG007", "/spec", ())
+    assert (finding.rule, finding.path, finding.patch) == ("SG007", path, ())
     return finding
 
 
@@ -235,3 +235,30 @@ def test_an_agent_lifts_only_its_own_nodes_fences():
     pool = unnamed["spec"]["deviceSelector"]["pool"]
     assert admit("DELETE", unnamed, **agent, node=pool) == []
     assert only(admit("DELETE", unnamed, **agent, node=f"not-{pool}")).action == "deny"
+
+
+def gpu_node(*taints: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}, "spec": {"taints": list(taints)}}
+
+
+NODE_FENCE = {"key": names.TAINT_UNSANITIZED, "effect": "NoSchedule"}
+
+
+def test_only_the_nodes_agent_lifts_its_node_taint_fence():
+    """The fallback fence (no DeviceTaintRule API served) is guarded as a DeviceTaintRule is: its node's
+    agent, an admin (audited), nobody else; adding one, or another taint's change, is no business of SG007."""
+    fenced, lifted = gpu_node(NODE_FENCE), gpu_node()
+    agent = {"user": AGENT, "groups": ("system:serviceaccounts",)}
+    assert admit("UPDATE", fenced, lifted, **agent, node="node-1") == []
+    assert (
+        "the agent of node 'node-2' acted on the taints of node 'node-1'"
+        in only(admit("UPDATE", fenced, lifted, **agent, node="node-2"), "/spec/taints").message
+    )
+    assert only(admit("UPDATE", fenced, lifted), "/spec/taints").message.startswith(
+        f"user {TENANT!r} lifted scrubgate's fence"
+    )
+    admin = only(admit("UPDATE", fenced, lifted, user="root", groups=("system:masters",)), "/spec/taints")
+    assert admin.action == "audit" and "lifted scrubgate's fence" in admin.message
+    other = {"key": "example.com/maintenance", "effect": "NoSchedule"}
+    assert admit("UPDATE", lifted, fenced) == [], "fencing more"
+    assert admit("UPDATE", gpu_node(NODE_FENCE, other), gpu_node(NODE_FENCE)) == []
