@@ -36,6 +36,7 @@ from .model import (
     pod_claims,
     pod_spec,
 )
+from .selectors import Verdict, gpu_verdict
 
 Violation = tuple[str, str, tuple[dict[str, Any], ...]]
 
@@ -738,27 +739,53 @@ def selected_drivers(device_class: dict[str, Any]) -> list[tuple[str, str]]:
 def gpu_class_coverage(device_class: dict[str, Any], policy: PolicyConfig) -> list[Violation]:
     """SG009: a DeviceClass that hands out a GPU driver's devices under a name the policy does not count as a
     GPU class would put its claims out of every guard (no finalizer, tolerations and adminAccess allowed).
-    Excluded classes (vfio-pci) are the operator's explicit choice. A GPU class advertised as an extended
-    resource (KEP-5004) must be one the policy knows, or pods asking for it would not count as GPU pods."""
+    Whether it does is decided from what its selectors select (policies/selectors.py), not from its name; one
+    that cannot be decided is refused too. Excluded classes (vfio-pci) are the operator's explicit choice. A
+    GPU class advertised as an extended resource (KEP-5004) must be one the policy knows, or pods asking for
+    it would not count as GPU pods."""
     name = as_str(metadata(device_class).get("name"))
     if policy.is_excluded_class(name):
         return []
     found: list[Violation] = []
-    gpu_drivers = [(driver, path) for driver, path in selected_drivers(device_class) if driver in policy.gpu_drivers]
     is_gpu = policy.is_gpu_class(name)
-    if gpu_drivers and not is_gpu:
-        driver, path = gpu_drivers[0]
-        found.append(
+    selects_gpus = False
+    if not is_gpu:
+        selectors = [
             (
-                f"DeviceClass {name!r} selects devices of the GPU driver {driver}, but scrubgate's policy does not "
-                f"count it as a GPU class, so its claims would get no scrub: add {name!r} to gpuDeviceClasses in "
-                f"the scrubgate policy (or to excludeDeviceClasses if no agent can scrub its devices), then create it",
-                path,
-                (),
+                as_str(as_dict(as_dict(selector).get("cel")).get("expression")),
+                pointer("spec", "selectors", index, "cel", "expression"),
             )
+            for index, selector in enumerate(as_list(as_dict(device_class.get("spec")).get("selectors")))
+        ]
+        verdict = gpu_verdict(selectors, policy.gpu_drivers)
+        compared = [(driver, path) for driver, path in selected_drivers(device_class) if driver in policy.gpu_drivers]
+        if verdict.outcome != "selects" and compared:  # it compares the driver with a GPU driver's name
+            verdict = Verdict("selects", f"{compared[0][0]} devices", compared[0][1], compared[0][0])
+        fix = (
+            f"add {name!r} to gpuDeviceClasses in the scrubgate policy (or to excludeDeviceClasses if no agent can "
+            f"scrub its devices), then create it"
         )
+        if verdict.outcome == "selects":
+            selects_gpus = True
+            found.append(
+                (
+                    f"DeviceClass {name!r} selects devices of the GPU driver {verdict.driver} ({verdict.what}), but "
+                    f"scrubgate's policy does not count it as a GPU class, so its claims would get no scrub: {fix}",
+                    verdict.path,
+                    (),
+                )
+            )
+        elif verdict.outcome == "undecided":
+            found.append(
+                (
+                    f"scrubgate cannot tell whether DeviceClass {name!r} hands out GPUs ({verdict.what}), so it does "
+                    f"not let it in unguarded: {fix}",
+                    verdict.path,
+                    (),
+                )
+            )
     extended = as_str(as_dict(device_class.get("spec")).get("extendedResourceName"))
-    if extended and (is_gpu or gpu_drivers) and not policy.is_gpu_extended_resource(extended):
+    if extended and (is_gpu or selects_gpus) and not policy.is_gpu_extended_resource(extended):
         found.append(
             (
                 f"DeviceClass {name!r} is a GPU class offered as the extended resource {extended!r}, which "

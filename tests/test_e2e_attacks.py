@@ -843,3 +843,34 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
 
     # No dirty allocation, no unattested finalizer removal (the observer exempts break-glass removals).
     assert_invariant(cluster)
+
+
+@pytest.mark.parametrize(
+    ("name", "expression"),
+    [
+        ("in-list", "device.driver in ['gpu.nvidia.com']"),
+        ("escaped", "device.driver == 'gpu\\x2envidia.com'"),
+        ("no-selector", None),
+    ],
+)
+def test_a_gpu_class_under_another_name_is_refused_however_it_is_written(
+    cluster: Cluster, book: AuditBook, name: str, expression: str | None
+) -> None:
+    """SG009 on kube-apiserver: what the class's selectors select decides, not how they name the driver (the
+    guard that read only `device.driver == "..."` let these in, and every claim through them went unguarded)."""
+    spec = {"selectors": [{"cel": {"expression": expression}}]} if expression else {}
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": f"sneaky-{name}"},
+        "spec": spec,
+    }
+    message = book.denied(
+        lambda: cluster.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", body),
+        "SG009",
+        user="admin",
+        operation="CREATE",
+        namespace="",
+        name=f"sneaky-{name}",
+    )
+    assert "selects devices of the GPU driver gpu.nvidia.com" in message, message

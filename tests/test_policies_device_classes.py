@@ -59,11 +59,50 @@ def test_listing_or_excluding_the_class_allows_it():
         ("vfio.gpu.nvidia.com", "device.driver == 'gpu.nvidia.com' && device.attributes['x'].type == 'vfio'"),
         ("compute-domain-default-channel.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
         ("nic.example.com", 'device.driver == "nic.example.com"'),
-        ("anything", None),
+        ("fast-nic", "device.driver == 'nic.example.com' && device.attributes['nic.example.com'].speed >= 100"),
+        (
+            "wide-nic",  # Kubernetes' quantity(): it compiles here; the driver rules GPUs out before it runs
+            "device.driver == 'nic.example.com' && device.capacity['nic.example.com'].bw.compareTo(quantity('1')) >= 0",
+        ),
     ],
 )
 def test_classes_the_policy_knows_and_other_drivers_pass(policy, name, expression):
     assert admitted(device_class(name, expression), policy) == []
+
+
+@pytest.mark.parametrize(
+    ("expression", "what"),
+    [
+        ("device.driver in ['gpu.nvidia.com', 'nic.example.com']", "gpu.nvidia.com devices"),
+        ("('gpu.nvidia.com' == device.driver)", "gpu.nvidia.com devices"),
+        ("device.driver == 'gpu\\x2envidia.com'", "gpu.nvidia.com devices"),  # an escaped dot
+        ("device.driver.startsWith('gpu.')", "gpu.nvidia.com devices"),
+        ("device.attributes['gpu.nvidia.com'].type == 'mig'", "gpu.nvidia.com MIG devices"),
+        ("device.attributes['gpu.nvidia.com'].productName.contains('H100')", "by their attributes"),
+        (None, "it has no selector"),
+    ],
+    ids=["in-list", "reversed-parenthesised", "escaped", "startsWith", "attributes-only", "by-model", "no-selector"],
+)
+def test_what_a_class_selects_decides_not_how_it_compares_the_driver(policy, expression, what):
+    """The selectors are evaluated against the devices a GPU driver publishes: any way of writing it that
+    picks GPUs makes it a GPU class, which the policy must know."""
+    (finding,) = admitted(device_class("sneaky", expression), policy)
+    assert (finding.rule, finding.action) == ("SG009", "deny")
+    assert "selects devices of the GPU driver gpu.nvidia.com" in finding.message and what in finding.message
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "device.attributes['example.com'].speed > 1",  # an attribute a GPU does not have: an error on it
+        "semver('1.0.0').isGreaterThan(semver('0.1.0'))",  # Kubernetes' semver(), not evaluated here
+    ],
+)
+def test_a_class_whose_selection_cannot_be_decided_is_refused(policy, expression):
+    (finding,) = admitted(device_class("unclear", expression), policy)
+    assert (finding.rule, finding.action) == ("SG009", "deny")
+    assert "scrubgate cannot tell whether DeviceClass 'unclear' hands out GPUs" in finding.message
+    assert "gpuDeviceClasses" in finding.message and "excludeDeviceClasses" in finding.message
 
 
 @pytest.mark.parametrize(
