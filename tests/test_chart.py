@@ -679,3 +679,19 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
         ), f"{method} {path}: no rule allows {verb} {group}/{resource}"
     manual = render(helm, "--set", "uninstall.waitForTeardowns=false")
     assert not [d for d in manual if d["metadata"]["name"] == "scrubgate-uninstall"], "the README's manual order"
+
+
+def test_the_webhooks_are_sent_the_claims_of_the_policys_gpu_classes(helm: str):
+    """A claim naming another vendor's class never waits on scrubgate; the policy's gpuDeviceClasses (globs)
+    reach every webhook's claim condition, the mutating one's too. A [set] glob is not translated: every claim
+    is sent then."""
+    docs = render(helm, "--set", "policy.gpuDeviceClasses={gpu.nvidia.com,h100-*,a?0}")
+    hooks = webhooks(docs)
+    assert len(hooks) == 4
+    for hook in hooks:
+        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-requests-a-gpu-class"]
+        assert r"[r'^gpu\.nvidia\.com$', r'^h100-.*$', r'^a.0$']" in condition["expression"], hook["name"]
+    docs = render(helm, "--set", "policy.gpuDeviceClasses={gpu.nvidia.com,h[0-9]00}")
+    for hook in webhooks(docs):
+        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-requests-a-gpu-class"]
+        assert "[r'^.*$']" in condition["expression"], hook["name"]

@@ -349,6 +349,12 @@ def test_with_the_webhook_down_gpu_pods_still_schedule_and_end(cluster: Cluster)
     container = {"name": "c", "image": "example.com/fpga-job", "resources": {"limits": {"example.com/fpga": "1"}}}
     fpga = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fpga"}, "spec": {"containers": [container]}}
     cluster.core("alice").create_namespaced_pod(ns, fpga)
+    claims = cluster.resource_path("resourceclaims", ns)
+    nic = workloads.resource_claim("nic")
+    nic["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "nic.example.com"
+    cluster.request("POST", claims, nic, user="alice")  # another vendor's class: no rule, no webhook
+    status, message = denial(lambda: cluster.request("POST", claims, workloads.resource_claim("gpu"), user="alice"))
+    assert status == 500 and "failed calling webhook" in message, message  # a GPU claim waits for its finalizer
     # What a rule decides does: a toleration added to a GPU pod (SG005) is refused while it is down.
     tolerate = {"spec": {"tolerations": [{"key": "scrubgate.dev/unsanitized", "operator": "Exists"}]}}
     status, message = denial(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from scrubgate.certs import generate as gen
 from scrubgate.certs import layout
 from scrubgate.certs.inject import count_webhooks, inject_yaml_text
 from scrubgate.policies import names
+from scrubgate.policies.config import load_policy
 
 from devcluster.harness import render_base
 
@@ -380,6 +382,37 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
         yield f"resourceclaims/status: {name}", data, expected
 
 
+def with_requests(*requests: Doc, template: bool = False) -> Doc:
+    spec = {"devices": {"requests": list(requests)}}
+    return {"metadata": {"name": "c"}, "spec": {"spec": spec} if template else spec}
+
+
+def claim_writes() -> Iterator[tuple[str, Doc, bool]]:
+    """A claim's or template's CREATE (and a template's UPDATE) reaches the webhooks only when it asks for a
+    GPU class: in any API version's shape, or as one of its firstAvailable alternatives."""
+    shapes = [
+        ("v1 exactly", {"name": "g", "exactly": {"deviceClassName": "gpu.nvidia.com"}}, True),
+        ("v1beta1", {"name": "g", "deviceClassName": "mig.nvidia.com"}, True),
+        ("a model class by glob", {"name": "g", "exactly": {"deviceClassName": "h100.gpu.nvidia.com"}}, True),
+        (
+            "a GPU alternative",
+            {"name": "g", "firstAvailable": [{"name": "n", "deviceClassName": "nic.example.com"},
+                                             {"name": "m", "deviceClassName": "mig-1g.gpu.nvidia.com"}]},
+            True,
+        ),
+        ("a NIC", {"name": "n", "exactly": {"deviceClassName": "nic.example.com"}}, False),
+        ("a name like a GPU class's", {"name": "n", "exactly": {"deviceClassName": "gpu.nvidia.com.evil"}}, False),
+    ]  # fmt: skip
+    for name, request, expected in shapes:
+        for resource, template in (("resourceclaims", False), ("resourceclaimtemplates", True)):
+            obj = with_requests(request, template=template)
+            yield f"{resource} CREATE: {name}", admission(names.RESOURCE_GROUP, resource, "CREATE", obj, None), expected
+        obj = with_requests(request, template=True)
+        data = admission(names.RESOURCE_GROUP, "resourceclaimtemplates", "UPDATE", obj, obj)
+        yield f"resourceclaimtemplates UPDATE: {name}", data, expected
+    yield "resourceclaims CREATE: no requests", admission(names.RESOURCE_GROUP, "resourceclaims", "CREATE", CLAIM, None), False  # fmt: skip
+
+
 def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
     """A claim's own UPDATE reaches the webhook only when it changes annotations or the sanitize finalizer, or
     removes delete-protection while the claim is allocated."""
@@ -538,10 +571,7 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
             "", "pods", "CREATE", eviction, None, subresource="eviction", options={"kind": "CreateOptions"}
         )
         yield f"pods/eviction deleteOptions={options}", data, expected
-    # Every claim and template CREATE reaches us, and every template UPDATE.
-    for resource in ("resourceclaims", "resourceclaimtemplates"):
-        yield f"{resource} CREATE", admission(names.RESOURCE_GROUP, resource, "CREATE", CLAIM, None), True
-    yield "resourceclaimtemplates UPDATE", admission(names.RESOURCE_GROUP, "resourceclaimtemplates", "UPDATE", CLAIM, CLAIM), True  # fmt: skip
+    yield from claim_writes()
     yield from claim_updates()
     yield from claim_status_writes()
     # A DeviceTaintRule only when it is scrubgate's fence; on DELETE `object` is null.
@@ -575,10 +605,27 @@ def test_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, e
             assert reaches_webhook(cel_env, hook, data) is expected, f"{hook['name']}: {name}"
 
 
+def test_the_claim_condition_matches_the_policys_gpu_classes(docs: list[Doc]):
+    """The kustomize base writes the default policy's gpuDeviceClasses (fnmatch globs) as RE2 patterns; the
+    mutating webhook carries the same condition text as the validating ones."""
+    conditions = {
+        c["name"]: c["expression"] for c in by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
+    }
+    mutating = {c["name"]: c["expression"] for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"]}
+    assert mutating["claim-requests-a-gpu-class"] == conditions["claim-requests-a-gpu-class"]
+    default = load_policy(None).gpu_device_classes
+    written = (
+        "[" + ", ".join("r'^" + re.escape(g).replace("\\*", ".*").replace("\\?", ".") + "$'" for g in default) + "]"
+    )
+    assert written in conditions["claim-requests-a-gpu-class"], written
+
+
 def mutations() -> Iterator[tuple[str, Doc, bool]]:
     """/mutate gets every claim CREATE, and of the UPDATEs only delete-protection leaving an allocated claim that
     carries our finalizer (kube-scheduler releasing its own claim): never the agent's writes."""
-    yield "resourceclaims CREATE", admission(names.RESOURCE_GROUP, "resourceclaims", "CREATE", CLAIM, None), True
+    for name, data, expected in claim_writes():
+        if data["request"]["resource"]["resource"] == "resourceclaims":
+            yield name, data, expected
     for name, data, expected in claim_updates():
         old, new = data["oldObject"], data["object"]
         releasing = (
