@@ -395,7 +395,13 @@ class Cluster:
             name,
             files,
             process=ManagedProcess(f"node{tag}", self._node_argv(name, files), files.node_log, self._env),
-            agent=ManagedProcess(f"agent{tag}", self._agent_argv(name, files, port), files.agent_log, self._env),
+            agent=ManagedProcess(
+                f"agent{tag}",
+                self._agent_argv(name, files, port),
+                files.agent_log,
+                self._env,
+                before_start=lambda: self._agent_credentials(name, files),
+            ),
             agent_metrics_port=port,
             ready_timeout=self.ready_timeout,
         )
@@ -634,10 +640,6 @@ class Cluster:
             self._install_with_helm()
         else:
             self._install_with_kustomize()
-        tokens = [self.service_account_token(self.namespace, names.AGENT_SERVICE_ACCOUNT, n.name) for n in self.nodes]
-        for node, token in zip(self.nodes, tokens, strict=True):
-            self._write_token_kubeconfig(node.files.agent_kubeconfig, "agent", token)
-        self.users["agent"].token = tokens[0]  # `agent` in the tests: the first node's
 
     def uninstall_scrubgate(self) -> None:
         """Removes scrubgate from the running installation, in the order README's "Uninstalling" gives: the
@@ -735,6 +737,20 @@ class Cluster:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
         reply = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token", body)
         return reply["status"]["token"]
+
+    def _agent_credentials(self, node: str, files: NodeFiles) -> None:
+        """What a new agent pod gets: a token of the agent's ServiceAccount bound to its node (to the Node object
+        as it is now: one deleted and registered again invalidates the tokens bound to the old one, as pod GC
+        and the DaemonSet replace the pod). `agent` in the tests is the first node's. With the API server down,
+        the agent starts with the token it had."""
+        try:
+            token = self.service_account_token(self.namespace, names.AGENT_SERVICE_ACCOUNT, node)
+        except Exception as exc:  # the API server down or stopping: whatever the client raised
+            log.warning("no new token for the agent of %s (%s): it starts with the one it had", node, exc)
+            return
+        self._write_token_kubeconfig(files.agent_kubeconfig, "agent", token)
+        if node == self.nodes[0].name:
+            self.users["agent"].token = token
 
     def _node_uid(self, node: str) -> str | None:
         try:

@@ -79,18 +79,21 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
     guarded: set[str] = set()  # claims that carried the finalizer
     held: set[str] = set()  # claims that were allocated a device
     bound: set[str] = set()  # pods seen bound to a node
-    consumers: dict[str, set[str]] = {}  # claim UID -> the pods it was seen reserved for
+    reserving: dict[str, set[str]] = {}  # pod UID -> the claims whose latest state is reserved for it
+    used_claims: set[str] = set()  # claims reserved for a pod while it was bound
     last: dict[str, dict[str, Any]] = {}
     clean: dict[str, set[tuple[str, str, str]]] = {}
     holders: dict[tuple[str, str, str], set[str]] = {}
 
     def used(uid: str) -> bool:
-        return bool(consumers.get(uid, set()) & bound)
+        return uid in used_claims
 
     for event in sorted(events, key=lambda e: e.rv):
         if event.resource == "pods":
             if (event.obj.get("spec") or {}).get("nodeName"):
-                bound.add((event.obj.get("metadata") or {}).get("uid", ""))
+                pod = (event.obj.get("metadata") or {}).get("uid", "")
+                bound.add(pod)
+                used_claims.update(reserving.get(pod, set()))
             continue
         if event.resource != "resourceclaims":
             continue
@@ -99,7 +102,15 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         uid = meta.get("uid", "")
         prev = last.get(uid)
         reserved = (claim.get("status") or {}).get("reservedFor") or []
-        consumers.setdefault(uid, set()).update(r.get("uid", "") for r in reserved if r.get("resource") == "pods")
+        # A pod that a claim was reserved for while it was bound used it; one bound only later, with another
+        # claim (kube-scheduler's new one after a failed binding), did not use this one.
+        pods = set() if event.type == "DELETED" else {r.get("uid", "") for r in reserved if r.get("resource") == "pods"}
+        for holders_of in reserving.values():
+            holders_of.discard(uid)
+        for pod in pods:
+            reserving.setdefault(pod, set()).add(uid)
+        if pods & bound:
+            used_claims.add(uid)
         token = (meta.get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
         verified: set[tuple[str, str, str]] = set()
         if token:

@@ -72,17 +72,27 @@ class ManagedProcess:
     what the process said. The process gets SIGTERM if the harness itself dies.
     """
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        before_start: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.env = env
+        self.before_start = before_start  # what each start needs first (an agent: its pod's fresh token)
         self.starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
         if self.running:
             raise HarnessError(f"{self.name} is already running (pid {self.pid})")
+        if self.before_start is not None:
+            self.before_start()
         with open(self.log_path, "ab") as out:
             out.write(f"--- harness: start {self.name}: {shlex.join(self.argv)}\n".encode())
             out.flush()

@@ -261,3 +261,11 @@ def test_the_invariant_check_sees_a_dirty_allocation_and_an_unattested_release()
     deleted_unused = [("ADDED", _claim("a", "g0", fin)), ("DELETED", _claim("a", "g0", fin))]
     assert invariant_violations(stream(*deleted_unused, bound=("pod-b",)), keys) == []
     assert any("removed from claim t/a" in v for v in invariant_violations(stream(*deleted_unused), keys))
+    # ... and its pod, bound at the next attempt with the scheduler's new claim, did not use the first one.
+    rebound = [
+        Observed(1, "resourceclaims", "ADDED", _claim("a", "g0", fin)),
+        Observed(2, "resourceclaims", "DELETED", _claim("a", "g0", fin)),
+        Observed(3, "pods", "ADDED", _pod("pod-a")),
+        Observed(4, "resourceclaims", "ADDED", _claim("b", "g0", fin)),
+    ]
+    assert invariant_violations(rebound, keys) == []
