@@ -23,6 +23,24 @@ def heavy_pod(tolerations: int = 25_000) -> dict:
     return gpu_pod(tolerations=[dict(FENCE_TOLERATION, value=f"v{i}") for i in range(tolerations)])
 
 
+def hold_the_first_evaluation(monkeypatch, key):
+    """Policy evaluation records `key(request)` of each request and holds the first one until `release` is
+    set (`entered` tells when it is held): what waits behind it, and in which order, shows."""
+    entered, release = threading.Semaphore(0), threading.Event()
+    evaluated: list[str] = []
+    real = handlers.handle_validate
+
+    def held(request, policy, *, trusted):
+        evaluated.append(key(request))
+        if len(evaluated) == 1:
+            entered.release()
+            release.wait(30)
+        return real(request, policy, trusted=trusted)
+
+    monkeypatch.setattr(handlers, "handle_validate", held)
+    return entered, release, evaluated
+
+
 def test_a_heavy_refusal_has_a_bounded_answer_and_record_that_count_the_rest(tmp_path):
     with serving(tmp_path) as webhook:
         body = review(heavy_pod())
@@ -119,18 +137,7 @@ def test_the_requester_is_read_from_the_start_of_the_body_whatever_the_objects_s
 def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp_path, monkeypatch):
     """Through the webhook: mallory's heavy dry runs are being evaluated and queued; alice's one large pod is
     answered after at most one more of mallory's, while most of the flood still waits."""
-    entered, release = threading.Semaphore(0), threading.Event()
-    evaluated: list[str] = []
-    real = handlers.handle_validate
-
-    def held(request, policy, *, trusted):
-        evaluated.append(request.username)
-        if len(evaluated) == 1:
-            entered.release()
-            release.wait(30)
-        return real(request, policy, trusted=trusted)
-
-    monkeypatch.setattr(handlers, "handle_validate", held)
+    entered, release, evaluated = hold_the_first_evaluation(monkeypatch, lambda request: request.username)
     with serving(tmp_path) as webhook:
 
         def post(user: str, answers: list[float]) -> None:
@@ -176,18 +183,7 @@ def test_a_deny_message_lists_at_most_twenty_findings(size):
 
 def test_a_heavy_request_the_api_server_stopped_waiting_for_is_not_evaluated(tmp_path, monkeypatch):
     """The worker is busy past the second request's `?timeout=1s`: its turn comes too late, and it is skipped."""
-    entered, release = threading.Semaphore(0), threading.Event()
-    evaluated: list[str] = []
-    real = handlers.handle_validate
-
-    def held(request, policy, *, trusted):
-        evaluated.append(request.uid)
-        if len(evaluated) == 1:
-            entered.release()
-            release.wait(30)
-        return real(request, policy, trusted=trusted)
-
-    monkeypatch.setattr(handlers, "handle_validate", held)
+    entered, release, evaluated = hold_the_first_evaluation(monkeypatch, lambda request: request.uid)
     with serving(tmp_path) as webhook:
         statuses: dict[str, int] = {}
 
