@@ -626,6 +626,33 @@ def test_the_start_up_check_makes_the_mig_config_node_and_opens_it(node, open_nv
     assert "names no nvidia-caps device major" in (backend.mig_management_problem() or "")
 
 
+def test_a_scratch_instance_nvidias_driver_tears_down_mid_scrub_is_scrubbed_again(node, open_nvml):
+    """NVIDIA's DRA driver, starting, tears down every MIG device its checkpoint does not name: the scrub's own
+    instance too, mid-scrub. That scrub counts for nothing; the placement (still held by the claim's
+    allocation) is scrubbed again through a new instance."""
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "15", start=2)
+    node.create_mig(gpu, "19", start=4)
+    node.fill(tenant["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])
+    (node.root / "obliterate-next-mig").touch()
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 15, 2, 2))
+    assert result.verified, result.reason
+    assert not (node.root / "obliterate-next-mig").exists(), "the first scratch instance was torn down"
+    leftover = node.root / "mem" / tenant["memoryFile"]
+    assert leftover.read_bytes().count(CANARY) * len(CANARY) <= result.bytes_unreachable
+    assert [(g["start"], g["size"]) for g in gpu_record(gpu["uuid"])["gis"]] == [(4, 1)]
+
+
+def test_a_scratch_instance_torn_down_at_every_attempt_leaves_the_placement_unverified(node, open_nvml):
+    gpu = node.add_gpu(mig=[])
+    node.create_mig(gpu, "19", start=4)
+    (node.root / "obliterate-next-mig").write_text("3")  # the driver restarts at each of the three attempts
+    result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert not result.verified and "destroyed by another party during the scrub" in result.reason
+    assert "3 times" in result.reason and not (node.root / "obliterate-next-mig").exists()
+
+
 def test_a_mig_device_not_yet_unprepared_is_scrubbed_through_itself(node, open_nvml):
     gpu = node.add_gpu(mig=[])
     tenant = node.create_mig(gpu, "19", start=1)

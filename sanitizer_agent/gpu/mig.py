@@ -189,8 +189,20 @@ def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[s
             raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
         yield uuid
     finally:
+        if ci is not None and not any(live.is_at(placement) for live in live_instances(nvml, gpu)):
+            # Destroyed under us: NVIDIA's DRA driver, starting, tears down every MIG device its checkpoint
+            # does not name (obliterateStaleMIGDevices). Whatever the scrub saw of it counts for nothing.
+            raise ScratchInstanceGone(
+                f"the GPU instance the scrub created ({where}) on {placement.parent_uuid} was destroyed by another "
+                "party during the scrub (NVIDIA's DRA driver tears down MIG devices it did not create when it starts)"
+            )
         _destroy(nvml, gi, ci, where)
         _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+
+
+class ScratchInstanceGone(GpuError):
+    """The scrub's own GPU instance vanished before the scrub ended: its result is void, the scrub may run again
+    (the claim's allocation still keeps the placement from everyone else)."""
 
 
 def _mig_off_if_empty(nvml: Any, gpu: Any, uuid: str) -> None:

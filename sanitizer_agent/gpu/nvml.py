@@ -38,6 +38,8 @@ from .xid import EccBaseline, XidWatcher
 log = logging.getLogger(__name__)
 
 SCRUB_SCRIPT = Path(cuda_scrub.__file__)
+# Scrubs of a dynamic MIG placement whose scratch GPU instance another party destroyed (NVIDIA's driver restarting)
+SCRATCH_ATTEMPTS = 3
 # What scrub() reads from cuda_scrub.py's report.
 _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
 # The scrub's own CUDA context and the allocator's granularity stay out of reach: about 0.3-0.5 GiB of a
@@ -450,11 +452,19 @@ class NvmlBackend:
         if live:
             held = ", ".join(f"{m.uuid} (slices {m.start}..{m.start + m.size - 1})" for m in live)
             return _unverified(placement, f"memory slices of {_where(placement)} are held by MIG device {held}")
-        try:
-            with mig.scratch_instance(self._nvml, gpu.handle, placement) as uuid:
-                return self.scrub(uuid)
-        except GpuError as exc:
-            return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                with mig.scratch_instance(self._nvml, gpu.handle, placement) as uuid:
+                    result = self.scrub(uuid)
+                return result
+            except mig.ScratchInstanceGone as exc:
+                if attempts == SCRATCH_ATTEMPTS:
+                    return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}, {attempts} times")
+                log.warning("%s; scrubbing %s again", exc, _where(placement))
+            except GpuError as exc:
+                return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
 
     def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
         """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""

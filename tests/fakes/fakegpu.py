@@ -86,6 +86,22 @@ def revoke_capability(data: dict[str, Any], gpu_index: int, gi_id: int, ci_id: i
         access.unlink(missing_ok=True)
 
 
+def obliterate(mig_uuid: str) -> None:
+    """NVIDIA's DRA driver starting: it tears down the MIG devices its checkpoint does not name (compute and
+    GPU instance), here the one `mig_uuid` names, in node.json as the fake NVML sees it."""
+    path = node_dir() / "node.json"
+    data = json.loads(path.read_text())
+    for index, gpu in enumerate(data["gpus"]):
+        for mig in [m for m in gpu["migs"] if m["uuid"] == mig_uuid]:
+            gpu["migs"].remove(mig)
+            gpu["gis"] = [g for g in gpu["gis"] if g["id"] != mig["gi"]]
+            revoke_capability(data, index, mig["gi"], mig["ci"])
+            revoke_capability(data, index, mig["gi"])
+    tmp = path.with_name("node.json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def fake_mknod(path: Path, major: int, minor: int) -> None:
     """mknod as a test may run it: a regular file naming the device (no real driver behind the numbers)."""
     with open(path, "x") as f:

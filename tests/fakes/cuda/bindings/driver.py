@@ -15,7 +15,9 @@ Faults, from node.json's ``cuda`` object: ``fail: {call: "CUDA_ERROR_..."}``, ``
 or a list of memset calls: they return success but write nothing; with ``memsetNoopFrom: n`` only those of
 n bytes or more), ``hang: call`` (the call never returns), ``heldBytes: {uuid: n}``
 (memory another process holds), ``scrubOnFree`` (freed memory is zeroed, as the kernel driver may),
-``lazyBytes`` (device memory the first kernel launch takes, as lazy loading does: out of memory when
+a file ``obliterate-next-mig`` in the node directory (the next
+processes to open a MIG device see NVIDIA's driver tear it down: as many as the file says, else one), ``lazyBytes`` (device memory the
+first kernel launch takes, as lazy loading does: out of memory when
 the device is already full), ``computeCapability`` ([major, minor], default [9, 0]: which shipped cubin
 loads), ``noJit`` (PTX cannot be loaded: no JIT compiler in the container).
 """
@@ -269,6 +271,17 @@ def cuInit(Flags: int) -> tuple[CUresult]:
         return (CUresult.CUDA_ERROR_INVALID_VALUE,)
     device = _visible_device()
     if device is None:
+        return (CUresult.CUDA_ERROR_NO_DEVICE,)
+    marker = fakegpu.node_dir() / "obliterate-next-mig"
+    if "gi" in device and marker.exists():
+        # NVIDIA's DRA driver restarts under this process and tears the MIG device down (as many times as the
+        # file says, once if it says nothing).
+        left = int(marker.read_text() or 1) - 1
+        if left:
+            marker.write_text(str(left))
+        else:
+            marker.unlink()
+        fakegpu.obliterate(device["uuid"])
         return (CUresult.CUDA_ERROR_NO_DEVICE,)
     _state.initialised, _state.device = True, device
     return (_fault("cuInit") or CUresult.CUDA_SUCCESS,)
