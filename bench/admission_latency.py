@@ -46,32 +46,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def vap_objects() -> list[dict[str, Any]]:
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": "sg005-fence-toleration"},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": ["resource.k8s.io"],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["resourceclaims"],
-                    }
-                ]
-            },
-            "validations": [{"expression": VAP_SG005, "message": "SG005: a request tolerates scrubgate's fence"}],
-        },
+    from devcluster.workloads import admission_policy
+
+    rule = {
+        "apiGroups": ["resource.k8s.io"],
+        "apiVersions": ["v1"],
+        "operations": ["CREATE", "UPDATE"],
+        "resources": ["resourceclaims"],
     }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": "sg005-fence-toleration"},
-        "spec": {"policyName": "sg005-fence-toleration", "validationActions": ["Deny"]},
-    }
-    return [policy, binding]
+    return admission_policy("sg005-fence-toleration", rule, VAP_SG005, "SG005: a request tolerates scrubgate's fence")
 
 
 def main() -> int:

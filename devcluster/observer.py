@@ -80,6 +80,7 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
     held: set[str] = set()  # claims that were allocated a device
     bound: set[str] = set()  # pods seen bound to a node
     reserving: dict[str, set[str]] = {}  # pod UID -> the claims whose latest state is reserved for it
+    reserved_pods: dict[str, set[str]] = {}  # claim UID -> those pods (the same, the other way round)
     used_claims: set[str] = set()  # claims reserved for a pod while it was bound
     last: dict[str, dict[str, Any]] = {}
     clean: dict[str, set[tuple[str, str, str]]] = {}
@@ -105,10 +106,11 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         # A pod that a claim was reserved for while it was bound used it; one bound only later, with another
         # claim (kube-scheduler's new one after a failed binding), did not use this one.
         pods = set() if event.type == "DELETED" else {r.get("uid", "") for r in reserved if r.get("resource") == "pods"}
-        for holders_of in reserving.values():
-            holders_of.discard(uid)
+        for pod in reserved_pods.pop(uid, set()) - pods:
+            reserving[pod].discard(uid)
         for pod in pods:
             reserving.setdefault(pod, set()).add(uid)
+        reserved_pods[uid] = pods
         if pods & bound:
             used_claims.add(uid)
         token = (meta.get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)

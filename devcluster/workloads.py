@@ -142,3 +142,27 @@ def job(name: str, namespace: str, *, annotations: dict[str, str] | None = None,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"backoffLimit": 0, "template": template},
     }
+
+
+def admission_policy(
+    name: str, rule: dict[str, Any], expression: str, message: str, namespace: str | None = None
+) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy refusing what `rule` matches unless `expression` holds, and its binding
+    (Deny; to `namespace` only, when given)."""
+    api = "admissionregistration.k8s.io/v1"
+    binding: dict[str, Any] = {"policyName": name, "validationActions": ["Deny"]}
+    if namespace is not None:
+        binding["matchResources"] = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+    return [
+        {
+            "apiVersion": api,
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [rule]},
+                "validations": [{"expression": expression, "message": message}],
+            },
+        },
+        {"apiVersion": api, "kind": "ValidatingAdmissionPolicyBinding", "metadata": {"name": name}, "spec": binding},
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from . import names
@@ -604,29 +605,14 @@ def fence_guard(
     agent named on it, else its device's pool). Returns (violations, admin lifts to audit)."""
     if obj is not None and obj.get("spec") == old.get("spec"):
         return [], []
-    is_agent, is_admin = _roles(username, groups, policy)
-    if is_agent:
-        pool = as_str(as_dict(as_dict(old.get("spec")).get("deviceSelector")).get("pool"))
-        fence_node = as_str(annotations(old).get(names.ANNOTATION_FENCE_NODE)) or pool
-        elsewhere = _not_the_agents_node({fence_node} - {""}, node, f"fence {_object_name(old)}", policy)
-        return ([(elsewhere, "/spec", ())] if elsewhere else []), []
     spec = as_dict(old.get("spec"))
     selector = as_dict(spec.get("deviceSelector"))
     device = "/".join(as_str(selector.get(field)) or "*" for field in ("driver", "pool", "device"))
+    fence_node = as_str(annotations(old).get(names.ANNOTATION_FENCE_NODE)) or as_str(selector.get("pool"))
     what = "deleted" if obj is None else "changed the spec of"
     rule = f"DeviceTaintRule {as_str(metadata(old).get('name'))!r}, scrubgate's fence ({fence_key(old)}) on {device}"
-    path = "/spec"
-    if is_admin:
-        return [], [(f"admin {username!r} {what} {rule}; the device is not attested clean", path, ())]
-    return [
-        (
-            f"user {username!r} {what} {rule}: only the scrubgate node agent lifts or changes its fences, after "
-            f"a verified scrub, since the device may still hold a tenant's data; members of the policy's admin "
-            f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may, and are audited",
-            path,
-            (),
-        )
-    ], []
+    lift = FenceLift(f"{what} {rule}", fence_node, f"fence {_object_name(old)}", "/spec")
+    return _fence_lift(lift, username, groups, policy, node)
 
 
 def node_fence_guard(
@@ -645,23 +631,49 @@ def node_fence_guard(
         taints = as_list(as_dict(node_obj.get("spec")).get("taints"))
         return [as_dict(t) for t in taints if as_str(as_dict(t).get("key")).startswith(f"{names.DOMAIN}/")]
 
-    before, after = ours(old), ours(obj)
-    lifted = [t for t in before if t not in after]
+    after = ours(obj)
+    lifted = [t for t in ours(old) if t not in after]
     if not lifted:
         return [], []
-    is_agent, is_admin = _roles(username, groups, policy)
     name = as_str(metadata(old).get("name"))
-    if is_agent:
-        elsewhere = _not_the_agents_node({name}, node, f"the taints of node {name!r}", policy)
-        return ([(elsewhere, "/spec/taints", ())] if elsewhere else []), []
-    what = ", ".join(sorted({as_str(t.get("key")) for t in lifted}))
-    if is_admin:
-        return [], [(f"admin {username!r} lifted scrubgate's fence {what} from node {name!r}", "/spec/taints", ())]
-    message = (
-        f"user {username!r} lifted scrubgate's fence {what} from node {name!r}: only the node's scrubgate agent "
-        f"lifts it, after a verified scrub; members of the policy's admin groups may, and are audited"
+    keys = ", ".join(sorted({as_str(t.get("key")) for t in lifted}))
+    lift = FenceLift(
+        f"lifted scrubgate's fence {keys} from node {name!r}", name, f"the taints of node {name!r}", "/spec/taints"
     )
-    return [(message, "/spec/taints", ())], []
+    return _fence_lift(lift, username, groups, policy, node)
+
+
+@dataclass(frozen=True)
+class FenceLift:
+    """A request that lifts or moves one of scrubgate's fences: what it does (after the user's name), the node
+    whose agent placed the fence, the fence as an agent's refusal names it, and the field it is about."""
+
+    act: str
+    node: str
+    subject: str
+    path: str
+
+
+def _fence_lift(
+    lift: FenceLift, username: str, groups: tuple[str, ...], policy: PolicyConfig, node: str
+) -> tuple[list[Violation], list[Violation]]:
+    """Who may lift a fence, DeviceTaintRule or node taint alike: the agent of its node; an admin, recorded;
+    nobody else. Returns (violations, admin lifts to audit)."""
+    is_agent, is_admin = _roles(username, groups, policy)
+    if is_agent:
+        elsewhere = _not_the_agents_node({lift.node} - {""}, node, lift.subject, policy)
+        return ([(elsewhere, lift.path, ())] if elsewhere else []), []
+    if is_admin:
+        return [], [(f"admin {username!r} {lift.act}; the device is not attested clean", lift.path, ())]
+    return [
+        (
+            f"user {username!r} {lift.act}: only the scrubgate node agent lifts or changes its fences, after "
+            f"a verified scrub, since the device may still hold a tenant's data; members of the policy's admin "
+            f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may, and are audited",
+            lift.path,
+            (),
+        )
+    ], []
 
 
 def _pod_done(pod: dict[str, Any]) -> bool:
@@ -759,7 +771,7 @@ def gpu_class_coverage(device_class: dict[str, Any], policy: PolicyConfig) -> li
         ]
         verdict = gpu_verdict(selectors, policy.gpu_drivers)
         compared = [(driver, path) for driver, path in selected_drivers(device_class) if driver in policy.gpu_drivers]
-        if verdict.outcome != "selects" and compared:  # it compares the driver with a GPU driver's name
+        if verdict.outcome == "undecided" and compared:  # it compares the driver with a GPU driver's name
             verdict = Verdict("selects", f"{compared[0][0]} devices", compared[0][1], compared[0][0])
         fix = (
             f"add {name!r} to gpuDeviceClasses in the scrubgate policy (or to excludeDeviceClasses if no agent can "

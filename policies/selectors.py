@@ -59,8 +59,11 @@ _KUBERNETES_METHODS = (
 )  # fmt: skip
 
 
+_NO_VALUE = "a Kubernetes CEL function, which scrubgate does not evaluate"
+
+
 def _no_value(*_: object) -> object:
-    raise ValueError("a Kubernetes CEL function, which scrubgate does not evaluate")
+    raise ValueError(_NO_VALUE)
 
 
 @functools.cache
@@ -112,7 +115,7 @@ def _evaluate(expression: str, device: dict[str, Any]) -> bool | str:
     value = program.eval(data={"device": view})
     if value.type() == cel.Type.BOOL:
         return bool(value.value())
-    if "scrubgate does not evaluate" in str(value.value()):
+    if _NO_VALUE in str(value.value()):
         return "calls a Kubernetes CEL function (quantity, semver) that scrubgate does not evaluate"
     return f"gives {value.type().name()} {value.value()}"
 

@@ -42,11 +42,9 @@ def _name(obj: dict[str, Any]) -> str:
 
 
 def _live_pods(api: Api) -> set[str]:
-    """UIDs of the pods that exist and have not ended."""
-    pods, _ = list_all(api, "/api/v1/pods")
-    return {
-        _meta(p).get("uid", "") for p in pods if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-    }
+    """UIDs of the pods that exist and have not ended (the API server leaves the ended ones out)."""
+    pods, _ = list_all(api, "/api/v1/pods", query={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
+    return {_meta(p).get("uid", "") for p in pods}
 
 
 def in_use(claim: dict[str, Any], live_pods: set[str]) -> bool:
@@ -113,36 +111,44 @@ def stop_agents(api: Api, namespace: str, deadline: float, sleep: Callable[[floa
     return None
 
 
-def remove_finalizers(api: Api, version: str, deadline: float, sleep: Callable[[float], None]) -> list[str]:
+def remove_finalizers(
+    api: Api, version: str, deadline: float, sleep: Callable[[float], None]
+) -> tuple[list[str], list[str]]:
     """Takes the sanitize finalizer off every claim (an update carrying the resourceVersion it read, read again
-    after a conflict); the names of those it was taken from. The API server drops the deleted webhook
-    configurations a moment later: until then SG007 refuses, and the update is tried again."""
-    removed = []
+    after a failure); (the claims it was taken from, those it could not be taken from and why). The API server
+    drops the deleted webhook configurations a moment later: until then SG007 refuses, and the update is tried
+    again until the deadline."""
+    removed, kept = [], []
     claims, _ = list_all(api, f"/apis/{DRA_GROUP}/{version}/resourceclaims")
     for claim in claims:
         meta = _meta(claim)
         path = f"/apis/{DRA_GROUP}/{version}/namespaces/{meta.get('namespace')}/resourceclaims/{meta.get('name')}"
-        while names.FINALIZER in (_meta(claim).get("finalizers") or []):
+        while claim is not None and names.FINALIZER in (_meta(claim).get("finalizers") or []):
             claim["metadata"]["finalizers"] = [f for f in claim["metadata"]["finalizers"] if f != names.FINALIZER]
+            body = {"apiVersion": f"{DRA_GROUP}/{version}", "kind": "ResourceClaim", **claim}
             try:
-                api.request(
-                    "PUT", path, body={"apiVersion": f"{DRA_GROUP}/{version}", "kind": "ResourceClaim", **claim}
-                )
+                api.request("PUT", path, body=body)
                 removed.append(_name(claim))
                 break
             except ApiError as exc:
                 if exc.status == 404:
                     break
                 if time.monotonic() >= deadline:
-                    raise
-                sleep(POLL_S / 4)
-                try:
-                    claim = api.request("GET", path)
-                except ApiError as again:
-                    if again.status == 404:
-                        break
-                    raise
-    return removed
+                    kept.append(f"claim {_name(claim)}: {exc}")
+                    break
+            sleep(POLL_S / 4)
+            claim = _get(api, path)
+    return removed, kept
+
+
+def _get(api: Api, path: str) -> dict[str, Any] | None:
+    """The object at `path`, or None when it is gone."""
+    try:
+        return api.request("GET", path)
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def uninstall(api: Api, namespace: str, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
@@ -168,9 +174,19 @@ def uninstall(api: Api, namespace: str, timeout_s: float, sleep: Callable[[float
         for item in list_all(api, path, query={"labelSelector": WEBHOOK_LABEL})[0]:
             api.request("DELETE", f"{path}/{_meta(item)['name']}")
             print(f"scrubgate uninstall: deleted {kind} {_meta(item)['name']}", flush=True)
-    removed = remove_finalizers(api, version, deadline, sleep) if version is not None else []
+    removed, kept = remove_finalizers(api, version, deadline, sleep) if version is not None else ([], [])
     for claim in removed:
         print(f"scrubgate uninstall: {names.FINALIZER} removed from claim {claim} (in use: it will not be scrubbed)")
+    if kept:
+        print(
+            f"scrubgate uninstall: the guard is gone, but {names.FINALIZER} could not be removed from these claims; "
+            f"remove it from each (kubectl edit resourceclaim -n NAMESPACE NAME), or they stay Terminating once "
+            "deleted:",
+            file=sys.stderr,
+        )
+        for line in kept:
+            print(f"  - {line}", file=sys.stderr)
+        return 1
     print(
         f"scrubgate uninstall: done; no teardown pending, no fence of scrubgate's left, {len(removed)} claims released"
     )

@@ -199,6 +199,19 @@ def stripping(claim: dict, attestation: str | None = None) -> list[dict]:
     return ops
 
 
+def claim_write_denied(cluster: Cluster, book: AuditBook, user: str, claim: dict, ops: list[dict]) -> str:
+    """`user`'s JSON patch of `claim`, which SG007 must refuse and record; the API server's message."""
+    meta = claim["metadata"]
+    return book.denied(
+        lambda: patch(cluster, user, claim, ops),
+        "SG007",
+        user=user,
+        operation="UPDATE",
+        namespace=meta["namespace"],
+        name=meta["name"],
+    )
+
+
 def attestation_for(
     cluster: Cluster,
     claim: dict,
@@ -352,14 +365,7 @@ def test_a_tenant_cannot_remove_the_finalizer(cluster: Cluster, book: AuditBook,
     assert status == 403 and "resourceclaims/status" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
     # Another tenant gets no further.
-    book.denied(
-        lambda: patch(cluster, "bob", claim, stripping(claim)),
-        "SG007",
-        user="bob",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    claim_write_denied(cluster, book, "bob", claim, stripping(claim))
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
 
@@ -374,15 +380,7 @@ def test_a_tenant_cannot_remove_kubernetes_delete_protection_from_a_claim_holdin
         {"op": "test", "path": f"/metadata/finalizers/{index}", "value": names.DELETE_PROTECTION_FINALIZER},
         {"op": "remove", "path": f"/metadata/finalizers/{index}"},
     ]
-    ns, name = victim.namespace, claim["metadata"]["name"]
-    message = book.denied(
-        lambda: patch(cluster, "alice", claim, remove),
-        "SG007",
-        user="alice",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    message = claim_write_denied(cluster, book, "alice", claim, remove)
     assert f"removed {names.DELETE_PROTECTION_FINALIZER} from a claim that still holds a GPU" in message
     assert names.DELETE_PROTECTION_FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
@@ -432,14 +430,7 @@ def test_a_replayed_attestation_is_refused(cluster: Cluster, book: AuditBook, vi
         )
     # With the agent's token (a compromised node), the annotations may be written, but the attestation is
     # another claim's.
-    message = book.denied(
-        lambda: patch(cluster, "agent", claim, stripping(claim, replayable)),
-        "SG007",
-        user="agent",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    message = claim_write_denied(cluster, book, "agent", claim, stripping(claim, replayable))
     assert f"not this claim's '{claim['metadata']['uid']}'" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
@@ -448,18 +439,10 @@ def test_a_replayed_attestation_is_refused(cluster: Cluster, book: AuditBook, vi
 def test_an_attestation_signed_with_a_wrong_key_is_refused(
     cluster: Cluster, book: AuditBook, victim: Victim, agents_kid: bool
 ) -> None:
-    ns, name = victim.namespace, victim.claim["metadata"]["name"]
     claim = current(cluster, victim.claim)
     kid = cluster.key_id if agents_kid else "attacker-key"
     forged = attestation_for(cluster, claim, Ed25519PrivateKey.generate(), kid)
-    message = book.denied(
-        lambda: patch(cluster, "agent", claim, stripping(claim, forged)),
-        "SG007",
-        user="agent",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    message = claim_write_denied(cluster, book, "agent", claim, stripping(claim, forged))
     expected = "does not verify" if agents_kid else "is not among the policy's attestation keys"
     assert expected in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
@@ -485,14 +468,7 @@ def test_another_nodes_agent_cannot_release_this_nodes_claim(cluster: Cluster, b
     ns, name = victim.namespace, victim.claim["metadata"]["name"]
     claim = current(cluster, victim.claim)
     genuine = attestation_for(cluster, claim, agent_key(cluster), cluster.key_id)
-    message = book.denied(
-        lambda: patch(cluster, "agent-elsewhere", claim, stripping(claim, genuine)),
-        "SG007",
-        user="agent-elsewhere",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    message = claim_write_denied(cluster, book, "agent-elsewhere", claim, stripping(claim, genuine))
     assert f"the agent of node 'elsewhere' acted on claim {ns}/{name} of node {cluster.node}" in message, message
     assert names.FINALIZER in current(cluster, victim.claim)["metadata"]["finalizers"]
 
@@ -525,28 +501,14 @@ def test_an_attestation_must_cover_every_device(cluster: Cluster, book: AuditBoo
     claim = fenced_claim(cluster, ns, "pair")
     devices = devices_of(claim)
     assert len(devices) == 2
-    key, name = agent_key(cluster), claim["metadata"]["name"]
+    key = agent_key(cluster)
 
     partial = attestation_for(cluster, claim, key, cluster.key_id, devices[:1])
-    message = book.denied(
-        lambda: patch(cluster, "agent", claim, stripping(claim, partial)),
-        "SG007",
-        user="agent",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    message = claim_write_denied(cluster, book, "agent", claim, stripping(claim, partial))
     assert "does not cover the claim's devices" in message and "/".join(devices[1]) in message, message
     # Nor does shrinking the agent's record of the devices help: the allocation still names both.
     shrink = {"op": "replace", "path": f"/metadata/annotations/{_pointer(names.ANNOTATION_DEVICES)}", "value": "[]"}
-    book.denied(
-        lambda: patch(cluster, "agent", claim, [shrink, *stripping(claim, partial)]),
-        "SG007",
-        user="agent",
-        operation="UPDATE",
-        namespace=ns,
-        name=name,
-    )
+    claim_write_denied(cluster, book, "agent", claim, [shrink, *stripping(claim, partial)])
     whole = attestation_for(cluster, claim, key, cluster.key_id)
     book.allowed(lambda: patch(cluster, "agent", claim, stripping(claim, whole), dry_run=True))
 

@@ -187,31 +187,9 @@ def test_a_pod_asking_for_nvidia_com_gpu_is_guarded_like_any_gpu_claim(cluster: 
 def refuse_binding(namespace: str, pod: str) -> list[dict]:
     """A ValidatingAdmissionPolicy (and its binding) refusing the scheduler's Binding of ``pod``: how a binding
     fails on a real cluster (a node gone, an admission check) without one here."""
-    name = f"refuse-binding-{namespace}"
     rule = {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding"]}
-    api = "admissionregistration.k8s.io/v1"
-    return [
-        {
-            "apiVersion": api,
-            "kind": "ValidatingAdmissionPolicy",
-            "metadata": {"name": name},
-            "spec": {
-                "failurePolicy": "Fail",
-                "matchConstraints": {"resourceRules": [rule]},
-                "validations": [{"expression": f"object.metadata.name != '{pod}'", "message": "binding refused"}],
-            },
-        },
-        {
-            "apiVersion": api,
-            "kind": "ValidatingAdmissionPolicyBinding",
-            "metadata": {"name": name},
-            "spec": {
-                "policyName": name,
-                "validationActions": ["Deny"],
-                "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
-            },
-        },
-    ]
+    expression = f"object.metadata.name != '{pod}'"
+    return workloads.admission_policy(f"refuse-binding-{namespace}", rule, expression, "binding refused", namespace)
 
 
 def binding_refused(cluster: Cluster, namespace: str, pod: str) -> bool:

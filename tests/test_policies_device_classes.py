@@ -60,6 +60,7 @@ def test_listing_or_excluding_the_class_allows_it():
         ("compute-domain-default-channel.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
         ("nic.example.com", 'device.driver == "nic.example.com"'),
         ("fast-nic", "device.driver == 'nic.example.com' && device.attributes['nic.example.com'].speed >= 100"),
+        ("all-but-gpus", "!(device.driver == 'gpu.nvidia.com')"),  # names the GPU driver, and selects none
         (
             "wide-nic",  # Kubernetes' quantity(): it compiles here; the driver rules GPUs out before it runs
             "device.driver == 'nic.example.com' && device.capacity['nic.example.com'].bw.compareTo(quantity('1')) >= 0",

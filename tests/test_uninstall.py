@@ -41,6 +41,7 @@ class FakeApi:
         self.daemonset: dict[str, Any] | None = {"spec": {"selector": {"matchLabels": AGENT_LABELS}}}
         self.calls: list[tuple[str, str]] = []
         self.on_agents_stopped: list[Any] = []
+        self.refused_puts: ApiError | None = None  # what every claim update gets (SG007 while webhooks linger)
 
     def request(self, method: str, path: str, query: Mapping[str, str] | None = None, body: Any = None) -> dict:
         self.calls.append((method, path))
@@ -57,9 +58,14 @@ class FakeApi:
             return self.daemonset or {}
         collection, _, name = path.rpartition("/")
         if path in self.objects and method == "GET":
-            return {"items": [copy.deepcopy(o) for o in self.objects[path].values()], "metadata": {}}
+            items = [copy.deepcopy(o) for o in self.objects[path].values()]
+            if (query or {}).get("fieldSelector") == "status.phase!=Succeeded,status.phase!=Failed":
+                items = [o for o in items if (o.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+            return {"items": items, "metadata": {}}
         if "/namespaces/team/resourceclaims" in collection:
             store = self.objects[f"{DRA}/resourceclaims"]
+            if method == "PUT" and self.refused_puts is not None:
+                raise self.refused_puts
             if method == "PUT":
                 store[name] = copy.deepcopy({k: v for k, v in body.items() if k not in ("apiVersion", "kind")})
             return copy.deepcopy(store[name])
@@ -136,3 +142,23 @@ def test_a_teardown_that_starts_while_the_agents_stop_keeps_the_guard(capsys) ->
     assert uninstall(api, "scrubgate-system", 5, sleep=lambda _: None) == 1
     assert [path for method, path in api.calls if method == "DELETE"] == [DAEMONSET], "the webhooks stay"
     assert "a teardown started while the agents stopped" in capsys.readouterr().err
+
+
+def test_a_claim_reserved_for_a_pod_that_ended_is_still_a_pending_teardown(capsys) -> None:
+    api = FakeApi()
+    api.objects["/api/v1/pods"]["done"] = {"metadata": {"uid": "done"}, "status": {"phase": "Succeeded"}}
+    api.objects[f"{DRA}/resourceclaims"]["ended"] = claim("ended", reserved=("done",))
+    assert uninstall(api, "scrubgate-system", 0, sleep=lambda _: None) == 1
+    assert "claim team/ended: teardown pending" in capsys.readouterr().err
+
+
+def test_a_finalizer_that_cannot_be_removed_is_named_with_what_to_do(capsys) -> None:
+    api = FakeApi()
+    webhook(api)
+    api.objects["/api/v1/pods"]["p"] = {"metadata": {"uid": "p"}, "status": {"phase": "Running"}}
+    api.objects[f"{DRA}/resourceclaims"]["busy"] = claim("busy", reserved=("p",))
+    api.refused_puts = ApiError("PUT .../busy: HTTP 403: forbidden", 403)
+    assert uninstall(api, "scrubgate-system", 0.5, sleep=lambda _: None) == 1
+    err = capsys.readouterr().err
+    assert "the guard is gone, but scrubgate.dev/sanitize could not be removed" in err
+    assert "claim team/busy: PUT .../busy: HTTP 403" in err and "kubectl edit resourceclaim" in err

@@ -189,7 +189,7 @@ def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[s
             raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
         yield uuid
     finally:
-        if ci is not None and not any(live.is_at(placement) for live in live_instances(nvml, gpu)):
+        if ci is not None and _gone(nvml, gpu, placement):
             # Destroyed under us: NVIDIA's DRA driver, starting, tears down every MIG device its checkpoint
             # does not name (obliterateStaleMIGDevices). Whatever the scrub saw of it counts for nothing.
             raise ScratchInstanceGone(
@@ -198,6 +198,14 @@ def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[s
             )
         _destroy(nvml, gi, ci, where)
         _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+
+
+def _gone(nvml: Any, gpu: Any, placement: MigPlacement) -> bool:
+    """Whether no MIG device stands at `placement` any more; raises GpuError when NVML cannot say."""
+    try:
+        return not any(live.is_at(placement) for live in live_instances(nvml, gpu))
+    except nvml.NVMLError as exc:
+        raise GpuError(f"NVML cannot list the MIG devices of {placement.parent_uuid} after the scrub: {exc}") from exc
 
 
 class ScratchInstanceGone(GpuError):
