@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +49,7 @@ def open_nvml(node: Any, tmp_path: Path) -> Any:
     params.write_text('RegistryDwords: ""\n')
 
     def make(**options: Any) -> NvmlBackend:
-        # Without the XID watch unless a test needs it: closing it waits out a poll of the event set.
+        # Without the XID watch unless a test needs it; with it, the fake node's kernel log.
         # The fake's CUDA context (1 MiB) and kernels are a larger share of its small devices than a real
         # context is of a GPU's memory: the coverage bound here is 10%, the default (2%) has its own test.
         options = {
@@ -57,6 +59,7 @@ def open_nvml(node: Any, tmp_path: Path) -> Any:
             "max_unreachable_fraction": 0.1,
             "child_env": node.env,
             "watch_xids": False,
+            "kernel_log": node.kmsg,
             "params_path": params,
             **options,
         }
@@ -184,7 +187,7 @@ def test_xids_are_classified_as_nvidias_driver_does(node, open_nvml):
     gpu = node.add_gpu()
     backend = open_nvml(watch_xids=True)
     for xid in (13, 31, 43, 45, 68, 109, 62, 154):  # application faults, then two that are not
-        fake_nvml().fake_emit_xid(gpu["uuid"], xid)
+        node.log_xid(gpu["uuid"], xid)
     assert wait_for(lambda: len(backend.health(gpu["uuid"], 0).xids) == 2)
     assert backend.health(gpu["uuid"], 0).xids == (62, 154)
 
@@ -193,11 +196,11 @@ def test_mig_xids_belong_to_their_gpu_instance(node, open_nvml):
     gpu = node.add_gpu(mig=[8 * MiB, 8 * MiB])
     first, second = gpu["migs"]
     backend = open_nvml(watch_xids=True)
-    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=first["gi"])
+    node.log_xid(gpu["uuid"], 94, gpu_instance=first["gi"])
     assert wait_for(lambda: backend.health(first["uuid"], 0).xids) == (94,)
     assert backend.health(second["uuid"], 0).xids == (), "a sibling's contained ECC error is not ours"
     assert backend.health(gpu["uuid"], 0).xids == (94,), "the whole GPU's memory includes it"
-    fake_nvml().fake_emit_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
+    node.log_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
     assert wait_for(lambda: backend.health(second["uuid"], 0).xids) == (79,)
 
 
@@ -206,23 +209,32 @@ def test_xids_of_a_deleted_dynamic_mig_device_stay_with_its_placement(node, open
     tenant = node.create_mig(gpu, "15", start=2)
     node.create_mig(gpu, "19", start=5)
     backend = open_nvml(watch_xids=True)
-    fake_nvml().fake_emit_xid(gpu["uuid"], 94, gpu_instance=tenant["gi"])
+    node.log_xid(gpu["uuid"], 94, gpu_instance=tenant["gi"])
     assert wait_for(lambda: backend.health(tenant["uuid"], 0).xids) == (94,)
     node.delete_mig(tenant["uuid"])  # unprepared: the GPU instance is gone, the event stays with its slices
     assert backend.placement_health(MigPlacement(gpu["uuid"], 15, 2, 2), 0).xids == (94,)
     assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 3, 1), 0).xids == (94,), "slice 3 was its"
     assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids == (), "a neighbour's is not"
-    fake_nvml().fake_emit_xid(gpu["uuid"], 79)
+    node.log_xid(gpu["uuid"], 79)
     assert wait_for(lambda: backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids) == (79,)
 
 
-def test_the_xid_watch_survives_nvml_errors_and_stops_only_when_the_gpu_is_lost(node, open_nvml):
+def test_xids_are_read_from_the_kernel_log_as_nvidias_driver_writes_them(node, open_nvml):
+    """Other lines, records of another GPU, and XIDs logged before the agent started (the ring buffer keeps
+    them) are read; the record's own time counts, not when the agent read it."""
     gpu = node.add_gpu()
+    other = node.add_gpu()
+    node.log_xid(gpu["uuid"], 79)  # before the agent started
+    with node.kmsg.open("a") as log:
+        log.write("6,2,5,-;eth0: link up\n SUBSYSTEM=net\n")
+        log.write("4,3,6,-;NVRM: Xid (PCI:0000:ff:00): 48, An uncorrectable double bit error\n")
     backend = open_nvml(watch_xids=True)
-    fake_nvml().fake_break_event_sets(fake_nvml().NVML_ERROR_UNKNOWN)
-    fake_nvml().fake_emit_xid(gpu["uuid"], 48)
-    assert wait_for(lambda: backend.health(gpu["uuid"], 0).xids) == (48,), "retried, and still watching"
-    assert backend._xids is not None and backend._xids.wait_errors == 1
+    assert wait_for(lambda: backend.health(other["uuid"], 0).xids) == (48,), "no GPU of ours: counts for each"
+    assert backend.health(gpu["uuid"], 0).xids == (79, 48)
+    logged = time.time()
+    node.log_xid(other["uuid"], 62)
+    assert wait_for(lambda: backend.health(other["uuid"], logged).xids) == (62,)
+    assert backend.health(gpu["uuid"], logged).xids == ()
 
 
 def test_ecc_errors_count_from_the_allocation_not_from_driver_load(node, open_nvml):
@@ -258,8 +270,8 @@ def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
     gpu = node.add_gpu(mig=[8 * MiB])
     other = node.add_gpu()
     backend = open_nvml(watch_xids=True)
-    fake_nvml().fake_emit_xid(gpu["uuid"], 13)  # the tenant's own fault: not critical
-    fake_nvml().fake_emit_xid(gpu["uuid"], 79)
+    node.log_xid(gpu["uuid"], 13)  # the tenant's own fault: not critical
+    node.log_xid(gpu["uuid"], 79)
     mig = gpu["migs"][0]["uuid"]
     assert wait_for(lambda: backend.health(mig, 0).xids) == (79,)
     assert backend.health(gpu["uuid"], 0).xids == (79,)
@@ -267,10 +279,9 @@ def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
     assert backend.health(gpu["uuid"], time.time() + 1).xids == ()
 
 
-def test_a_stopped_event_watch_fails_health_checks(node, open_nvml):
+def test_a_kernel_log_that_cannot_be_read_fails_health_checks(node, open_nvml, tmp_path):
     gpu = node.add_gpu()
-    backend = open_nvml(watch_xids=True)
-    fake_nvml().fake_break_event_sets()
+    backend = open_nvml(watch_xids=True, kernel_log=tmp_path)  # opens, but every read fails (EISDIR)
 
     def failing() -> bool:
         try:
@@ -512,13 +523,55 @@ def test_a_scrubber_that_reports_nonsense_fails_closed(node, open_nvml, tmp_path
     assert not result.verified and "malformed report" in result.reason
 
 
-def test_a_node_without_nvml_events_says_how_to_run_without_them(node, open_nvml):
+def test_a_node_without_a_readable_kernel_log_says_how_to_run_without_it(node, open_nvml, tmp_path):
     node.add_gpu()
-    node.data["nvmlErrors"] = {"*": {"nvmlEventSetCreate": "NVML_ERROR_NOT_SUPPORTED"}}
-    node.save()
-    with pytest.raises(GpuError, match="watch_xids=False"):
-        open_nvml(watch_xids=True)
+    with pytest.raises(GpuError, match=r"kernel log .*/dev/kmsg.*watch_xids=False"):
+        open_nvml(watch_xids=True, kernel_log=tmp_path / "no-kmsg")
     assert open_nvml().list_devices()
+
+
+def nvidias_driver_holding_nvml(node: Any) -> subprocess.Popen[str]:
+    """A process with NVML open until its stdin closes, as NVIDIA's DRA driver keeps it with DynamicMIG."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import pynvml, sys; pynvml.nvmlInit(); print('open', flush=True); sys.stdin.read()"],
+        env={**os.environ, **node.env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+    return holder
+
+
+def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_modes(node, open_nvml):
+    """With DynamicMIG, NVIDIA's driver turns MIG on for a GPU's first MIG device and off after its last; NVML
+    refuses that while another process holds a session. The agent, idle between teardowns, holds none: not for
+    its XID watch, not after an operation."""
+    gpu = node.add_gpu(mig=[])
+    backend = open_nvml(watch_xids=True)
+    assert backend.list_devices() and backend.health(gpu["uuid"], 0).healthy
+    toggle = (
+        "import pynvml, sys; pynvml.nvmlInit(); gpu = pynvml.nvmlDeviceGetHandleByUUID(sys.argv[1]); "
+        "pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)"
+    )
+    driver = subprocess.run(
+        [sys.executable, "-c", toggle, gpu["uuid"]], env={**os.environ, **node.env}, capture_output=True, text=True
+    )
+    assert driver.returncode == 0, driver.stderr
+    assert gpu_record(gpu["uuid"])["migMode"] == 0
+    holder = nvidias_driver_holding_nvml(node)
+    try:
+        assert (
+            "In use by another client"
+            in subprocess.run(
+                [sys.executable, "-c", toggle, gpu["uuid"]],
+                env={**os.environ, **node.env},
+                capture_output=True,
+                text=True,
+            ).stderr
+        ), "the fake refuses a MIG mode change while another process holds NVML"
+    finally:
+        holder.communicate("")
 
 
 # ---------------------------------------------------------------- dynamic MIG: scrub through a placement
@@ -624,6 +677,27 @@ def test_the_start_up_check_makes_the_mig_config_node_and_opens_it(node, open_nv
     capabilities.devices.write_text("Character devices:\n195 nvidia\n")
     (capabilities.dev / "nvidia-cap1").unlink()
     assert "names no nvidia-caps device major" in (backend.mig_management_problem() or "")
+
+
+def test_a_gpu_the_scrub_cannot_take_out_of_mig_mode_fails_closed_and_says_what_to_do(node, open_nvml):
+    """With NVIDIA's driver holding NVML (DynamicMIG), the scrub cannot turn MIG off after its own instance, the
+    last on the GPU: the memory is clean, but a whole-GPU tenant would get a GPU in MIG mode. Fail closed, and
+    name the remedy: the driver's plugin turns MIG off at start on every GPU with no MIG device."""
+    gpu = node.add_gpu(mig=[])
+    tenant = node.create_mig(gpu, "19", start=1)
+    node.fill(tenant["uuid"], CANARY)
+    node.delete_mig(tenant["uuid"])
+    holder = nvidias_driver_holding_nvml(node)
+    try:
+        result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    finally:
+        holder.communicate("")
+    assert not result.verified
+    assert "another process holds NVML" in result.reason and "Restart NVIDIA's DRA kubelet plugin" in result.reason
+    after = gpu_record(gpu["uuid"])
+    assert after["migMode"] == 1 and not after["gis"], "the scrub's instance is gone; MIG mode is as it was"
+    leftover = (node.root / "mem" / tenant["memoryFile"]).read_bytes()
+    assert leftover.count(CANARY) * len(CANARY) < len(leftover) // 4, "scrubbed all the same"
 
 
 def test_a_scratch_instance_nvidias_driver_tears_down_mid_scrub_is_scrubbed_again(node, open_nvml):

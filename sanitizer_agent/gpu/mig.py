@@ -222,14 +222,32 @@ def _mig_off_if_empty(nvml: Any, gpu: Any, uuid: str) -> None:
             return
         nvml.nvmlDeviceSetMigMode(gpu, nvml.NVML_DEVICE_MIG_DISABLE)
     except nvml.NVMLError as exc:
-        if getattr(exc, "value", None) == nvml.NVML_ERROR_IN_USE:
+        if getattr(exc, "value", None) != nvml.NVML_ERROR_IN_USE:
+            raise GpuError(
+                f"NVML cannot turn MIG mode off on {uuid}, which the scrub left with no MIG device: {exc}; turn it "
+                "off (nvidia-smi -i <gpu> -mig 0) before a whole-GPU claim gets it",
+                uuid,
+            ) from exc
+        if _any_instance(nvml, gpu):
             return  # a GPU instance appeared meanwhile: MIG stays on, as the driver would leave it
+        # No instance, so another process's NVML session refused it: with DynamicMIG, NVIDIA's driver keeps one
+        # open and is then the only one that can change MIG modes. Fail closed rather than hand a whole-GPU
+        # tenant a GPU in MIG mode: the claim keeps the placement, so no whole-GPU claim gets it meanwhile.
         raise GpuError(
-            f"NVML cannot turn MIG mode off on {uuid}, which the scrub left with no MIG device: {exc}; turn it off "
-            "(nvidia-smi -i <gpu> -mig 0) before a whole-GPU claim gets it",
+            f"NVML refused to turn MIG mode off on {uuid} ({exc}), which the scrub left with no MIG device: another "
+            "process holds NVML (NVIDIA's DRA driver does with DynamicMIG). Restart NVIDIA's DRA kubelet plugin on "
+            "this node (at start it turns MIG off on every GPU with no MIG device), or turn it off with nvidia-smi "
+            "-i <gpu> -mig 0 while nothing holds NVML; then `scrubgate agent rescrub --device <device>` on this node",
             uuid,
         ) from exc
     log.info("GPU %s: MIG mode off, as NVIDIA's driver leaves a GPU with no MIG device", uuid)
+
+
+def _any_instance(nvml: Any, gpu: Any) -> bool:
+    try:
+        return bool(live_instances(nvml, gpu))
+    except nvml.NVMLError as exc:
+        raise GpuError(f"NVML cannot list the MIG devices left after the scrub: {exc}") from exc
 
 
 def _compute_instance(nvml: Any, gi: Any, where: str) -> Any:

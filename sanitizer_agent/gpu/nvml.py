@@ -1,5 +1,11 @@
 """The real GPU backend: NVML (``nvidia-ml-py``, import name ``pynvml``) for inventory, processes and
-health; the CUDA driver API, in a child process per device (``cuda_scrub.py``), for the scrub.
+health; the CUDA driver API, in a child process per device (``cuda_scrub.py``), for the scrub; XIDs from the
+kernel log (``xid.py``).
+
+NVML is open only while an operation runs, never while the agent waits: with DynamicMIG, NVIDIA's DRA driver
+changes a GPU's MIG mode when it creates the first MIG device and deletes the last, and NVML refuses that
+while another process holds a session ("in use by another client"; k8s-dra-driver-gpu's nvlib.go says so of
+its own long-lived session and mig-parted). An idle agent holding NVML would make every such change fail.
 
 ``pynvml`` is imported when the backend is opened, never at module import, so the project installs
 and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds the bindings).
@@ -7,6 +13,8 @@ and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -15,10 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from scrubgate.policies.names import ATTESTATION_METHOD
 
@@ -33,7 +41,7 @@ from .base import (
     ScrubResult,
 )
 from .driver_params import PARAMS_PATH, scrub_on_free_disabled
-from .xid import EccBaseline, XidWatcher
+from .xid import KERNEL_LOG, EccBaseline, XidWatcher, pci_address
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,19 @@ DEFAULT_MAX_UNREACHABLE_BYTES = 1 << 30
 DEFAULT_MAX_PARALLEL_SCRUBS = 4
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _in_session(method: _Method) -> _Method:
+    """Runs a backend method with NVML open (see the module's docstring)."""
+
+    @functools.wraps(method)
+    def run(self: NvmlBackend, *args: Any, **kwargs: Any) -> Any:
+        with self._session():
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,7 @@ class NvmlBackend:
         max_unreachable_bytes: int = DEFAULT_MAX_UNREACHABLE_BYTES,
         max_parallel_scrubs: int = DEFAULT_MAX_PARALLEL_SCRUBS,
         watch_xids: bool = True,
+        kernel_log: Path = KERNEL_LOG,
         python: str = sys.executable,
         child_env: Mapping[str, str] | None = None,
         params_path: Path = PARAMS_PATH,
@@ -106,23 +128,26 @@ class NvmlBackend:
         self.child_env = dict(child_env or {})
         self.params_path = params_path
         self.capabilities = capabilities or mig.CapabilityNodes()
-        try:
-            self._nvml.nvmlInit()
-        except self._nvml.NVMLError as exc:
-            raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
+        self._sessions = 0
+        self._session_lock = threading.Lock()
         self._xids: XidWatcher | None = None
         self._ecc = EccBaseline(ecc_history_path)
-        gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
-        self._gpus = gpus
+        with self._session():
+            gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
+            try:
+                by_pci = {self._pci_address(handle): uuid for uuid, handle in gpus.items()}
+            except self._nvml.NVMLError as exc:
+                raise GpuError(f"NVML cannot read the PCI addresses of the GPUs: {exc}") from exc
+        self._gpu_uuids = list(gpus)
         self._sample_ecc()
         if watch_xids:
             try:
-                self._xids = XidWatcher(self._nvml, gpus, on_poll=self._sample_ecc)
-            except self._nvml.NVMLError as exc:
-                self._nvml.nvmlShutdown()
+                self._xids = XidWatcher(by_pci, self._slices_of, kernel_log, on_poll=self._sample_ecc)
+            except OSError as exc:
                 raise GpuError(
-                    f"NVML cannot watch XID events ({exc}); open the backend with watch_xids=False to run "
-                    "without them (ECC and row-remapping counters are still checked)"
+                    f"cannot read XID events from the kernel log {kernel_log} ({exc}): the agent needs the host's "
+                    "/dev/kmsg (the chart runs it privileged, which gives it); or open the backend with "
+                    "watch_xids=False to run without them (ECC and row-remapping counters are still checked)"
                 ) from exc
 
     # ------------------------------------------------------------ lifecycle
@@ -131,10 +156,27 @@ class NvmlBackend:
         if self._xids is not None:
             self._xids.close()
             self._xids = None
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        """NVML open for the block; operations that overlap (teardowns in parallel) share one session."""
+        with self._session_lock:
+            if self._sessions == 0:
+                try:
+                    self._nvml.nvmlInit()
+                except self._nvml.NVMLError as exc:
+                    raise GpuError(f"NVML could not start: {exc}; is the NVIDIA driver loaded on this node?") from exc
+            self._sessions += 1
         try:
-            self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError as exc:
-            log.warning("NVML shutdown failed: %s", exc)
+            yield
+        finally:
+            with self._session_lock:
+                self._sessions -= 1
+                if self._sessions == 0:
+                    try:
+                        self._nvml.nvmlShutdown()
+                    except self._nvml.NVMLError as exc:
+                        log.warning("NVML shutdown failed: %s", exc)
 
     def __enter__(self) -> NvmlBackend:
         return self
@@ -185,6 +227,22 @@ class NvmlBackend:
                 errors.append(f"GPU index {index}: {exc}")
         return found, errors
 
+    def _pci_address(self, gpu: Any) -> str:
+        info = self._nvml.nvmlDeviceGetPciInfo(gpu)
+        return pci_address(int(info.domain), int(info.bus), int(info.device))
+
+    def _slices_of(self, gpu_uuid: str, gpu_instance: int) -> frozenset[int] | None:
+        """The memory slices of a GPU instance, for an XID the kernel log attributes to it."""
+        nvml = self._nvml
+        try:
+            with self._session():
+                gpu = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+                info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(gpu, gpu_instance))
+        except (GpuError, nvml.NVMLError) as exc:
+            log.warning("cannot read the memory slices of GPU instance %d of %s: %s", gpu_instance, gpu_uuid, exc)
+            return None
+        return frozenset(range(int(info.placement.start), int(info.placement.start) + int(info.placement.size)))
+
     def _resolve(self, uuid: str) -> _Handle:
         entry = self._enumerate()[0].get(uuid)
         if entry is None:
@@ -209,6 +267,7 @@ class NvmlBackend:
 
     # ------------------------------------------------------------ GpuBackend
 
+    @_in_session
     def list_devices(self) -> list[GpuDevice]:
         entries, errors = self._enumerate()
         for error in errors:
@@ -225,6 +284,7 @@ class NvmlBackend:
             devices.append(GpuDevice(entry.uuid, entry.index, name, entry.parent_uuid, total, reserved, free))
         return devices
 
+    @_in_session
     def processes(self, uuid: str) -> list[GpuProcess]:
         entry = self._resolve(uuid)
         nvml = self._nvml
@@ -258,15 +318,22 @@ class NvmlBackend:
             raise
 
     def _sample_ecc(self) -> None:
-        """The ECC baseline: each GPU's count every few seconds (from the XID watch's thread, and at open)."""
+        """The ECC baseline: each GPU's count every minute (from the XID watch's thread, and at open)."""
         now = time.time()
-        for uuid, gpu in self._gpus.items():
-            if self._ecc.due(uuid, now):
-                try:
-                    self._ecc.record(uuid, now, self._ecc_count(gpu))
-                except self._nvml.NVMLError as exc:
-                    log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
+        due = [uuid for uuid in self._gpu_uuids if self._ecc.due(uuid, now)]
+        if not due:
+            return
+        try:
+            with self._session():
+                for uuid in due:
+                    try:
+                        self._ecc.record(uuid, now, self._ecc_count(self._nvml.nvmlDeviceGetHandleByUUID(uuid)))
+                    except self._nvml.NVMLError as exc:
+                        log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
+        except GpuError as exc:
+            log.warning("cannot sample ECC errors: %s", exc)
 
+    @_in_session
     def health(self, uuid: str, since: float) -> HealthSnapshot:
         entry = self._resolve(uuid)
         gpu_instance = None
@@ -277,6 +344,7 @@ class NvmlBackend:
                 log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
         return self._health(uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, gpu_instance))
 
+    @_in_session
     def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
         entry = self._resolve(placement.parent_uuid)
         return self._health(
@@ -322,6 +390,7 @@ class NvmlBackend:
         member = _FIELD_VALUE_MEMBER.get(int(value.valueType))
         return int(getattr(value.value, member)) if member else None
 
+    @_in_session
     def scrub(self, uuid: str) -> ScrubResult:
         started = time.monotonic()
         entry = self._enumerate()[0].get(uuid)
@@ -424,6 +493,7 @@ class NvmlBackend:
             return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
         return result(True, None, total, reserved, scrubbed, kernel_s, kernels)
 
+    @_in_session
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
         gpu = self._resolve(placement.parent_uuid)
         if not gpu.mig_enabled:
@@ -436,6 +506,7 @@ class NvmlBackend:
             ) from exc
         return [p for uuid in overlapping for p in self.processes(uuid)]
 
+    @_in_session
     def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
         parent = placement.parent_uuid
         gpu = self._resolve(parent)

@@ -1,44 +1,56 @@
-"""XID events from NVML, kept so that health() can answer "which critical XIDs hit this device since t".
+"""XID events from the kernel log, kept so that health() can answer "which critical XIDs hit this device since t".
 
-As NVIDIA's DRA driver does: every XID counts except the application ones (a tenant's own faults), a
-failed wait is retried (only "GPU is lost" ends the watch: health checks then fail until a restart), and
-an XID NVML reports with a GPU instance ID belongs to that MIG device (and to the GPU it is carved from),
-not to its siblings. NVML keeps no history: XIDs before the watch started are not seen; the ECC and
-row-remapping counters, which persist, cover the memory faults among them.
+NVIDIA's kernel driver writes every XID to the kernel log (open-gpu-kernel-modules, kernel_rc.c):
+``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., <message>``, and on a GPU in MIG mode the parenthesis also names
+the GPU instance (`` GPU-I:05``). The agent reads them there, from ``/dev/kmsg``, rather than from an NVML
+event set: an event set keeps an NVML session open on every GPU for the agent's lifetime, and with
+DynamicMIG NVIDIA's DRA driver cannot change a GPU's MIG mode while another process holds one ("in use by
+another client", as its nvlib.go says of mig-parted). The kernel log also keeps history: XIDs from before
+the agent started are seen while the ring buffer holds them.
+
+As NVIDIA's DRA driver does: every XID counts except the application ones (a tenant's own faults), and an
+XID with a GPU instance belongs to that MIG device (and to the GPU it is carved from), not to its siblings.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .base import GpuError, critical_xid
 
 log = logging.getLogger(__name__)
 
+KERNEL_LOG = Path("/dev/kmsg")
 # XID events kept; a node sees a handful a day, this is weeks of them.
 HISTORY = 4096
-# nvmlEventData_t.gpuInstanceId for an event of the whole GPU.
+# The GPU instance of an event of the whole GPU (as nvmlEventData_t.gpuInstanceId has it).
 WHOLE_GPU = 0xFFFFFFFF
 UNKNOWN_GPU = "?"
+# The PCI address as the driver prints it (domain:bus:device, hex), an optional GPU instance, the XID.
+_XID_LINE = re.compile(
+    r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
+    r"(?: GPU-I:(?P<gi>\d+))?[^)]*\): (?P<xid>\d+)"
+)
 
 
 @dataclass(frozen=True)
 class XidEvent:
     at: float
-    gpu_uuid: str  # UNKNOWN_GPU when NVML could not name the GPU: it then counts against every GPU
+    gpu_uuid: str  # UNKNOWN_GPU when the address names no GPU of ours: it then counts against every GPU
     gpu_instance: int  # WHOLE_GPU, or the MIG device's GPU instance ID
     xid: int
     # The memory slices of that GPU instance when the event came (a dynamic MIG device may be gone by the
-    # time its teardown asks); None for the whole GPU, or when NVML could not say.
+    # time its teardown asks); None for the whole GPU, or when they could not be read.
     slices: frozenset[int] | None = None
 
     def hits(self, gpu_instance: int | None, slices: frozenset[int] | None) -> bool:
@@ -52,95 +64,103 @@ class XidEvent:
         return gpu_instance is None
 
 
+def pci_address(domain: int, bus: int, device: int) -> str:
+    """A GPU's PCI address as the kernel driver prints it in an XID line."""
+    return f"{domain:04x}:{bus:02x}:{device:02x}"
+
+
 class XidWatcher:
-    """Collects XID events from NVML in a thread; `on_poll` runs after every wait (the ECC sampler)."""
+    """Collects XID events from the kernel log in a thread; `on_poll` runs whenever the log has nothing new
+    (the ECC sampler).
+
+    `gpus` maps each GPU's PCI address (pci_address) to its UUID; `slices_of(gpu_uuid, gpu_instance)` reads
+    the memory slices of a GPU instance when its event comes (None when it cannot)."""
 
     def __init__(
         self,
-        nvml: Any,
-        gpus: Mapping[str, Any],
-        poll_ms: int = 500,
-        retry_s: float = 1.0,
+        gpus: Mapping[str, str],
+        slices_of: Callable[[str, int], frozenset[int] | None],
+        kernel_log: Path = KERNEL_LOG,
+        poll_s: float = 0.5,
         on_poll: Callable[[], None] | None = None,
     ) -> None:
-        self._nvml = nvml
-        self._poll_ms = poll_ms
-        self._retry_s = retry_s
+        self._gpus = dict(gpus)
+        self._slices_of = slices_of
+        self._poll_s = poll_s
         self._on_poll = on_poll
         self._events: collections.deque[XidEvent] = collections.deque(maxlen=HISTORY)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.error: str | None = None  # set when the GPU is lost: the watch is over
-        self.wait_errors = 0  # failed waits retried so far
-        self._set = nvml.nvmlEventSetCreate()
-        for uuid, handle in gpus.items():
-            try:
-                supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if supported & nvml.nvmlEventTypeXidCriticalError:
-                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
-                else:
-                    log.warning("GPU %s does not report XID events; health checks see ECC and rows only", uuid)
-            except nvml.NVMLError as exc:
-                log.warning("cannot watch XID events of GPU %s: %s; health checks see ECC and rows only", uuid, exc)
+        self.error: str | None = None  # set when the log cannot be read any more: the watch is over
+        self.overrun = 0  # times the kernel overwrote records before they were read
+        self._started = time.time()
+        # Raises OSError: the caller says what to do about it.
+        self._fd = os.open(kernel_log, os.O_RDONLY | os.O_NONBLOCK)
+        self._log = kernel_log
         self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        nvml = self._nvml
+        pending = b""
         while not self._stop.is_set():
             try:
-                data = nvml.nvmlEventSetWait_v2(self._set, self._poll_ms)
-            except nvml.NVMLError as exc:
-                code = getattr(exc, "value", None)
-                if code == nvml.NVML_ERROR_TIMEOUT:
-                    self._poll()
-                    continue
-                if code == nvml.NVML_ERROR_GPU_IS_LOST:
-                    self.error = str(exc)
-                    log.error("XID event watch stopped: %s; health checks now fail until the agent restarts", exc)
-                    return
-                self.wait_errors += 1
-                log.warning("waiting for XID events failed (%s); retrying in %.1fs", exc, self._retry_s)
-                self._stop.wait(self._retry_s)
+                chunk = os.read(self._fd, 8192)  # /dev/kmsg: one record per read
+            except BlockingIOError:
+                chunk = b""
+            except BrokenPipeError:
+                # EPIPE: the ring buffer wrapped past records not yet read; the next read goes on after them.
+                self.overrun += 1
+                log.warning("the kernel log overwrote records before they were read; XIDs among them are missed")
                 continue
-            self._poll()
-            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
-                self._record(data)
+            except OSError as exc:
+                self.error = f"reading {self._log}: {exc}"
+                log.error("XID watch stopped (%s); health checks now fail until the agent restarts", self.error)
+                return
+            if chunk:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._record(line.decode("utf-8", "replace"))
+                continue
+            if self._on_poll is not None:
+                self._on_poll()
+            self._stop.wait(self._poll_s)
 
-    def _poll(self) -> None:
-        if self._on_poll is not None:
-            self._on_poll()
-
-    def _record(self, data: Any) -> None:
-        try:
-            uuid = self._nvml.nvmlDeviceGetUUID(data.device)
-        except self._nvml.NVMLError as exc:
-            uuid = UNKNOWN_GPU
-            log.warning("XID %d from a GPU NVML cannot name: %s", data.eventData, exc)
-        gpu_instance = int(getattr(data, "gpuInstanceId", WHOLE_GPU))
-        slices = None if gpu_instance == WHOLE_GPU else self._slices_of(data.device, gpu_instance)
+    def _record(self, line: str) -> None:
+        if line.startswith(" "):  # a record's continuation (KEY=value)
+            return
+        header, sep, message = line.partition(";")
+        at = time.time()
+        if sep:  # "priority,sequence,microseconds since boot,flags;message"
+            fields = header.split(",")
+            with contextlib.suppress(IndexError, ValueError):  # no usable time: when it was read
+                at -= time.monotonic() - int(fields[2]) / 1e6
+        else:
+            message = line
+        found = _XID_LINE.search(message)
+        if found is None:
+            return
+        pci = found["pci"].lower()
+        uuid = self._gpus.get(pci, UNKNOWN_GPU)
+        if uuid == UNKNOWN_GPU:
+            log.warning("XID %s at PCI %s, which is none of this node's GPUs as NVML listed them", found["xid"], pci)
+        gpu_instance = WHOLE_GPU if found["gi"] is None else int(found["gi"])
+        slices = None
+        # A GPU instance ID is reused: only a live event's ID still names the instance it happened in.
+        if gpu_instance != WHOLE_GPU and uuid != UNKNOWN_GPU and at >= self._started - 1:
+            slices = self._slices_of(uuid, gpu_instance)
         where = "" if gpu_instance == WHOLE_GPU else f" (GPU instance {gpu_instance}, memory slices {slices})"
-        log.warning("XID %d on GPU %s%s", data.eventData, uuid, where)
+        log.warning("XID %s on GPU %s%s: %s", found["xid"], uuid, where, message.strip())
         with self._lock:
-            self._events.append(XidEvent(time.time(), uuid, gpu_instance, int(data.eventData), slices))
-
-    def _slices_of(self, gpu: Any, gpu_instance: int) -> frozenset[int] | None:
-        nvml = self._nvml
-        try:
-            info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(gpu, gpu_instance))
-        except nvml.NVMLError as exc:
-            log.warning("cannot read the memory slices of GPU instance %d: %s", gpu_instance, exc)
-            return None
-        return frozenset(range(int(info.placement.start), int(info.placement.start) + int(info.placement.size)))
+            self._events.append(XidEvent(at, uuid, gpu_instance, int(found["xid"]), slices))
 
     def since(
         self, gpu_uuid: str, since: float, gpu_instance: int | None = None, slices: frozenset[int] | None = None
     ) -> tuple[int, ...]:
         """Critical XIDs since `since` on the GPU; with `gpu_instance` or `slices`, on that MIG device or
-        placement (and the whole GPU's) only. An event NVML could not attribute counts everywhere: fail
+        placement (and the whole GPU's) only. An event that names no GPU of ours counts everywhere: fail
         closed."""
         if self.error is not None:
-            raise GpuError(f"XID events of {gpu_uuid} unknown: the NVML event watch stopped ({self.error})", gpu_uuid)
+            raise GpuError(f"XID events of {gpu_uuid} unknown: the XID watch stopped ({self.error})", gpu_uuid)
         with self._lock:
             return tuple(
                 e.xid
@@ -153,24 +173,22 @@ class XidWatcher:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self._poll_ms / 1000 * 4 + self._retry_s)
-        try:
-            self._nvml.nvmlEventSetFree(self._set)
-        except self._nvml.NVMLError as exc:
-            log.warning("freeing the NVML event set failed: %s", exc)
+        self._thread.join(timeout=self._poll_s * 4)
+        os.close(self._fd)
 
 
 class EccBaseline:
     """Each GPU's volatile uncorrectable ECC count over time, so that health counts only the errors since a
     device was allocated: one old error must not fence a GPU forever.
 
-    Sampled every few seconds; kept as the first sample and every change (a few entries per GPU, however long
+    Sampled every minute, each time in a short NVML session (NVML is not held open between operations: see
+    the module's docstring); kept as the first sample and every change (a few entries per GPU, however long
     a claim runs), and in `path` (the agent's state directory) so that a restarted agent still knows the
     count at allocations made before it. A count that went down means the driver was reloaded: the history
     starts again. Where no history reaches back to the allocation, the baseline is 0: every error since
     driver load counts (fail closed)."""
 
-    def __init__(self, path: Path | None = None, sample_every_s: float = 10.0) -> None:
+    def __init__(self, path: Path | None = None, sample_every_s: float = 60.0) -> None:
         self.path = path
         self.sample_every_s = sample_every_s
         self._changes: dict[str, list[tuple[float, int]]] = {}  # GPU -> [(first sample), (each change)...]

@@ -10,6 +10,9 @@ agree on one node:
   as on a GPU whose driver does not scrub on free; a MIG device's memory is its placement's
   (``mem/<GPU uuid>@<start>+<size>``), so a GPU instance created again there sees what the last one left;
 - ``contexts/<uuid>/<pid>``: processes holding a CUDA context (NVML lists them while they live);
+- ``nvml-sessions/<pid>``: processes with NVML open (between nvmlInit and the last nvmlShutdown): while another
+  one lives, a MIG mode change is refused as "in use by another client";
+- ``kmsg``: the kernel log as /dev/kmsg gives it, where ``FakeNode.log_xid`` writes the driver's XID lines;
 - with ``FakeNode.enable_capabilities()``, the driver's MIG capabilities: a `capabilities/` tree as under
   /proc/driver/nvidia/capabilities (written when a GPU or compute instance is created, removed when it is
   destroyed), `proc-devices` with the nvidia-caps major, and `dev-caps/` standing for /dev/nvidia-caps, which
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid as uuidlib
 from pathlib import Path
 from typing import Any
@@ -125,6 +129,18 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def sessions_dir() -> Path:
+    return node_dir() / "nvml-sessions"
+
+
+def other_nvml_sessions() -> list[int]:
+    """Live processes other than this one with NVML open."""
+    folder = sessions_dir()
+    if not folder.is_dir():
+        return []
+    return [int(e.name) for e in folder.iterdir() if int(e.name) != os.getpid() and pid_alive(int(e.name))]
+
+
 def context_holders(uuid: str) -> list[tuple[int, int]]:
     """(pid, bytes allocated) of live processes with a CUDA context on the device."""
     found = []
@@ -144,8 +160,14 @@ class FakeNode:
         self.root = Path(root)
         (self.root / "mem").mkdir(parents=True, exist_ok=True)
         (self.root / "contexts").mkdir(exist_ok=True)
+        (self.root / "nvml-sessions").mkdir(exist_ok=True)
+        self.kmsg.touch()
         self.data: dict[str, Any] = {"gpus": [], "nvmlErrors": {}, "cuda": {}}
         self.save()
+
+    @property
+    def kmsg(self) -> Path:
+        return self.root / "kmsg"
 
     @property
     def env(self) -> dict[str, str]:
@@ -167,6 +189,7 @@ class FakeNode:
         """A GPU with ``memory`` bytes for CUDA; ``mig``: MIG mode on, one device per size given."""
         gpu: dict[str, Any] = {
             "uuid": f"GPU-{uuidlib.uuid4()}",
+            "pciBus": 0x18 + 0x10 * len(self.data["gpus"]),
             "name": name,
             "memory": memory,
             "reserved": reserved,
@@ -189,7 +212,6 @@ class FakeNode:
             "eccMode": [1, 1],  # current, pending (NVML_FEATURE_ENABLED); None: NOT_SUPPORTED
             "remappedRows": [0, 0, 0, 0],
             "recoveryAction": 0,
-            "events": True,
             "memoryV2": True,
             "processes": {"compute": [], "graphics": [], "mps": []},
         }
@@ -201,6 +223,17 @@ class FakeNode:
             self.create_mig(gpu, "19", start=slot, memory=size)
         self.save()
         return gpu
+
+    def log_xid(self, uuid: str, xid: int, gpu_instance: int | None = None) -> None:
+        """The kernel driver's log line for an XID on a GPU (with ``gpu_instance``, in one of its MIG devices), as
+        /dev/kmsg gives it; the format is open-gpu-kernel-modules' (kernel_rc.c)."""
+        gpu = next(g for g in load()["gpus"] if g["uuid"] == uuid)
+        where = f"PCI:0000:{gpu['pciBus']:02x}:00"
+        if gpu_instance is not None:
+            where += f" GPU-I:{gpu_instance:02d} GPU-CI:00"
+        usec = int(time.monotonic() * 1e6)
+        with self.kmsg.open("a") as log:
+            log.write(f"3,1,{usec},-;NVRM: Xid ({where}): {xid}, pid=4242, name=python3, Ch 00000008\n")
 
     def create_mig(self, gpu: dict[str, Any], profile_id: str, start: int, memory: int | None = None) -> dict[str, Any]:
         """A GPU instance with one compute instance at a placement, as nvidia-smi or NVIDIA's DRA driver

@@ -4,7 +4,8 @@ of ``fakegpu``. It is strict where the real library is: calls before ``nvmlInit`
 Uninitialized, queries about the physical GPU fail on MIG handles, ``version`` must be
 ``nvmlMemory_v2``, a ``NVMLError(value)`` becomes its ``NVMLError_<Name>`` subclass.
 
-Only ``fake_emit_xid`` is not pynvml's: tests call it to raise an XID event.
+A process's NVML session is visible to the others (``fakegpu.other_nvml_sessions``): while another process holds one,
+``nvmlDeviceSetMigMode`` is refused with IN_USE, as NVIDIA's DRA driver finds with DynamicMIG.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import queue
 import string
 import sys
 import uuid as uuidlib
@@ -74,12 +74,6 @@ NVML_GPU_RECOVERY_ACTION_NODE_REBOOT = 2
 NVML_GPU_RECOVERY_ACTION_DRAIN_P2P = 3
 NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET = 4
 
-nvmlEventTypeSingleBitEccError = 0x0000000000000001
-nvmlEventTypeDoubleBitEccError = 0x0000000000000002
-nvmlEventTypePState = 0x0000000000000004
-nvmlEventTypeXidCriticalError = 0x0000000000000008
-nvmlEventTypeNone = 0x0000000000000000
-
 
 class NVMLError(Exception):
     _valClassMapping: dict[int, type] = {}
@@ -134,7 +128,6 @@ _make_error_classes()
 # ---------------------------------------------------------------- library state
 
 _refcount = 0
-_event_sets: list[_EventSet] = []
 
 
 @dataclass(frozen=True)
@@ -160,13 +153,6 @@ class c_nvmlComputeInstance_t:
 
 class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
     _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
-
-
-class _EventSet:
-    def __init__(self) -> None:
-        self.queue: queue.Queue[SimpleNamespace] = queue.Queue()
-        self.registered: dict[str, int] = {}
-        self.freed = False
 
 
 def _check(function: str, handle: c_nvmlDevice_t | None = None) -> None:
@@ -195,7 +181,7 @@ def _record(handle: c_nvmlDevice_t) -> tuple[dict[str, Any], dict[str, Any] | No
 
 
 def _physical(handle: Any, function: str) -> dict[str, Any]:
-    # Queries about the physical GPU (ECC, row remapping, fields, events) refuse MIG handles.
+    # Queries about the physical GPU (ECC, row remapping, fields, PCI) refuse MIG handles.
     if not isinstance(handle, c_nvmlDevice_t):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     _check(function, handle)
@@ -218,6 +204,8 @@ def _device(handle: Any, function: str) -> tuple[dict[str, Any], dict[str, Any] 
 def nvmlInit() -> None:
     global _refcount
     fakegpu.load()  # the real call fails when the driver is missing
+    if _refcount == 0:
+        (fakegpu.sessions_dir() / str(os.getpid())).touch()
     _refcount += 1
 
 
@@ -225,6 +213,8 @@ def nvmlShutdown() -> None:
     global _refcount
     _check("nvmlShutdown")
     _refcount -= 1
+    if _refcount == 0:
+        (fakegpu.sessions_dir() / str(os.getpid())).unlink(missing_ok=True)
 
 
 def nvmlDeviceGetCount() -> int:
@@ -240,6 +230,22 @@ def nvmlDeviceGetHandleByIndex(index: int) -> c_nvmlDevice_t:
     handle = c_nvmlDevice_t(gpus[index]["uuid"], None)
     _check("nvmlDeviceGetHandleByIndex", handle)
     return handle
+
+
+def nvmlDeviceGetHandleByUUID(uuid: str) -> c_nvmlDevice_t:
+    _check("nvmlDeviceGetHandleByUUID")
+    for gpu in _gpus():
+        if gpu["uuid"] == uuid:
+            return c_nvmlDevice_t(uuid, None)
+        if any(m["uuid"] == uuid for m in gpu["migs"]):
+            return c_nvmlDevice_t(uuid, gpu["uuid"])
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetPciInfo(handle: c_nvmlDevice_t) -> SimpleNamespace:
+    record = _physical(handle, "nvmlDeviceGetPciInfo")
+    bus = record["pciBus"]
+    return SimpleNamespace(domain=0, bus=bus, device=0, busId=f"00000000:{bus:02X}:00.0")
 
 
 def nvmlDeviceGetUUID(handle: c_nvmlDevice_t) -> str:
@@ -277,11 +283,12 @@ def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]:
 
 
 def nvmlDeviceSetMigMode(device: c_nvmlDevice_t, mode: int) -> int:
-    """As Hopper does: at once (no reset) where no GPU instance is left; IN_USE otherwise."""
+    """As Hopper does: at once (no reset) where no GPU instance is left and no other process has NVML open;
+    IN_USE otherwise."""
     record = _physical(device, "nvmlDeviceSetMigMode")
     if record.get("migMode") is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-    if record["gis"]:
+    if record["gis"] or fakegpu.other_nvml_sessions():
         raise NVMLError(NVML_ERROR_IN_USE)
     record["migMode"] = mode
     _save_gpu(record)
@@ -385,52 +392,6 @@ def nvmlDeviceGetFieldValues(handle: c_nvmlDevice_t, fieldIds: list[Any]) -> lis
             )
         )
     return values
-
-
-def nvmlEventSetCreate() -> _EventSet:
-    _check("nvmlEventSetCreate")
-    event_set = _EventSet()
-    _event_sets.append(event_set)
-    return event_set
-
-
-def nvmlDeviceGetSupportedEventTypes(handle: c_nvmlDevice_t) -> int:
-    record = _physical(handle, "nvmlDeviceGetSupportedEventTypes")
-    if not record.get("events", True):
-        return nvmlEventTypePState
-    return nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeXidCriticalError
-
-
-def nvmlDeviceRegisterEvents(handle: c_nvmlDevice_t, eventTypes: int, eventSet: _EventSet) -> None:
-    _physical(handle, "nvmlDeviceRegisterEvents")
-    if not isinstance(eventSet, _EventSet) or eventSet.freed:
-        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    if eventTypes & ~nvmlDeviceGetSupportedEventTypes(handle):
-        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-    eventSet.registered[handle.uuid] = eventSet.registered.get(handle.uuid, 0) | eventTypes
-
-
-def nvmlEventSetWait_v2(eventSet: _EventSet, timeoutms: int) -> SimpleNamespace:
-    _check("nvmlEventSetWait_v2")
-    if not isinstance(eventSet, _EventSet) or eventSet.freed:
-        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    try:
-        event = eventSet.queue.get(timeout=timeoutms / 1000)
-    except queue.Empty:
-        raise NVMLError(NVML_ERROR_TIMEOUT) from None
-    if isinstance(event, NVMLError):
-        raise event
-    return event
-
-
-def nvmlEventSetWait(eventSet: _EventSet, timeoutms: int) -> SimpleNamespace:
-    return nvmlEventSetWait_v2(eventSet, timeoutms)
-
-
-def nvmlEventSetFree(eventSet: _EventSet) -> None:
-    _check("nvmlEventSetFree")
-    eventSet.freed = True
-    _event_sets.remove(eventSet)
 
 
 # ---------------------------------------------------------------- MIG: GPU and compute instances
@@ -584,28 +545,3 @@ def nvmlGpuInstanceDestroy(gpuInstance: c_nvmlGpuInstance_t) -> None:
     gpu["gis"].remove(gi)
     _save_gpu(gpu)
     fakegpu.revoke_capability(fakegpu.load(), _index(gpu), gi["id"])
-
-
-# ---------------------------------------------------------------- test controls (not pynvml's)
-
-
-def fake_emit_xid(uuid: str, xid: int, gpu_instance: int = 0xFFFFFFFF) -> None:
-    """Deliver an XID event for a GPU (or, with ``gpu_instance``, one of its MIG devices) to every event
-    set registered for XIDs on it."""
-    for event_set in list(_event_sets):
-        if event_set.registered.get(uuid, 0) & nvmlEventTypeXidCriticalError:
-            event_set.queue.put(
-                SimpleNamespace(
-                    device=c_nvmlDevice_t(uuid, None),
-                    eventType=nvmlEventTypeXidCriticalError,
-                    eventData=xid,
-                    gpuInstanceId=gpu_instance,
-                    computeInstanceId=0 if gpu_instance != 0xFFFFFFFF else 0xFFFFFFFF,
-                )
-            )
-
-
-def fake_break_event_sets(code: int = NVML_ERROR_GPU_IS_LOST) -> None:
-    """Make every pending nvmlEventSetWait_v2 fail, as when a GPU falls off the bus."""
-    for event_set in list(_event_sets):
-        event_set.queue.put(NVMLError(code))

@@ -324,11 +324,12 @@ class Check:
             "max_unreachable_fraction": args.max_unreachable,
             "scrub_timeout_s": args.step_timeout,
             "params_path": Path(args.driver_params),
+            "kernel_log": Path(args.kernel_log),
         }
         xid_watch = "on"
         try:
             self.backend = self.gpu.open_backend("nvml", watch_xids=True, **options)
-        except self.gpu.GpuError as exc:  # e.g. a VM without NVML events: the rest is still worth checking
+        except self.gpu.GpuError as exc:  # e.g. not root: no kernel log; the rest is still worth checking
             xid_watch = f"off: {exc}"
             self.backend = self.gpu.open_backend("nvml", watch_xids=False, **options)
         self.device = self.pick_device()
@@ -426,6 +427,11 @@ class Check:
         idle = next((d for d in migs if d.uuid != self.device.uuid and not self.backend.processes(d.uuid)), None)
         target = idle or self.device
         mig = importlib.import_module(f"{self.gpu.__name__}.mig")
+        # NVML open for the step, as the backend opens it for each of its own operations.
+        with self.backend._session():
+            return self.mig_paths(mig, gpu_uuid, target)
+
+    def mig_paths(self, mig: Any, gpu_uuid: str, target: Any) -> dict[str, Any]:
         nvml, handle = self.backend._nvml, self.backend._resolve(gpu_uuid).handle
         live = mig.live_instances(nvml, handle)
         here = next(m for m in live if m.uuid == target.uuid)
@@ -539,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         "--driver-params",
         default="/proc/driver/nvidia/params",
         help="the kernel driver's parameters (scrub-on-free), as the agent reads them",
+    )
+    parser.add_argument(
+        "--kernel-log", default="/dev/kmsg", help="where the agent reads XIDs (the driver's NVRM: Xid lines)"
     )
     parser.add_argument(
         "--mig-scratch",
