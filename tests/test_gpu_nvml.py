@@ -543,6 +543,16 @@ def nvidias_driver_holding_nvml(node: Any) -> subprocess.Popen[str]:
     return holder
 
 
+def mig_off_from_another_process(node: Any, uuid: str) -> subprocess.CompletedProcess[str]:
+    """What NVIDIA's driver does, in its own process, after deleting a GPU's last MIG device."""
+    toggle = (
+        "import pynvml, sys; pynvml.nvmlInit(); gpu = pynvml.nvmlDeviceGetHandleByUUID(sys.argv[1]); "
+        "pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)"
+    )
+    env = {**os.environ, **node.env}
+    return subprocess.run([sys.executable, "-c", toggle, uuid], env=env, capture_output=True, text=True)
+
+
 def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_modes(node, open_nvml):
     """With DynamicMIG, NVIDIA's driver turns MIG on for a GPU's first MIG device and off after its last; NVML
     refuses that while another process holds a session. The agent, idle between teardowns, holds none: not for
@@ -550,28 +560,15 @@ def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_mod
     gpu = node.add_gpu(mig=[])
     backend = open_nvml(watch_xids=True)
     assert backend.list_devices() and backend.health(gpu["uuid"], 0).healthy
-    toggle = (
-        "import pynvml, sys; pynvml.nvmlInit(); gpu = pynvml.nvmlDeviceGetHandleByUUID(sys.argv[1]); "
-        "pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)"
-    )
-    driver = subprocess.run(
-        [sys.executable, "-c", toggle, gpu["uuid"]], env={**os.environ, **node.env}, capture_output=True, text=True
-    )
+    driver = mig_off_from_another_process(node, gpu["uuid"])
     assert driver.returncode == 0, driver.stderr
     assert gpu_record(gpu["uuid"])["migMode"] == 0
     holder = nvidias_driver_holding_nvml(node)
     try:
-        assert (
-            "In use by another client"
-            in subprocess.run(
-                [sys.executable, "-c", toggle, gpu["uuid"]],
-                env={**os.environ, **node.env},
-                capture_output=True,
-                text=True,
-            ).stderr
-        ), "the fake refuses a MIG mode change while another process holds NVML"
+        refused = mig_off_from_another_process(node, gpu["uuid"])
     finally:
         holder.communicate("")
+    assert "In use by another client" in refused.stderr, "the fake refuses while another process holds NVML"
 
 
 # ---------------------------------------------------------------- dynamic MIG: scrub through a placement
