@@ -571,6 +571,24 @@ def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_mod
     assert "In use by another client" in refused.stderr, "the fake refuses while another process holds NVML"
 
 
+def test_nvml_is_closed_while_a_whole_gpu_scrub_runs(node, open_nvml, monkeypatch):
+    """A scrub takes minutes on a large GPU; NVML open all that time would hold off the driver's MIG mode changes
+    on every other GPU of the node."""
+    gpu = node.add_gpu()
+    backend = open_nvml()
+    own_session = node.root / "nvml-sessions" / str(os.getpid())
+    open_during: list[bool] = []
+    run_child = backend._run_child
+
+    def watched(uuid: str) -> Any:
+        open_during.append(own_session.exists())
+        return run_child(uuid)
+
+    monkeypatch.setattr(backend, "_run_child", watched)
+    assert backend.scrub(gpu["uuid"]).verified
+    assert open_during == [False] and not own_session.exists()
+
+
 # ---------------------------------------------------------------- dynamic MIG: scrub through a placement
 
 

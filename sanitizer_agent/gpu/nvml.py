@@ -390,20 +390,54 @@ class NvmlBackend:
         member = _FIELD_VALUE_MEMBER.get(int(value.valueType))
         return int(getattr(value.value, member)) if member else None
 
-    @_in_session
+    def _scrub_target(self, uuid: str) -> tuple[bool | None, int, int, str | None]:
+        """(ECC on, total and reserved bytes, why the device cannot be scrubbed or None), read with NVML open."""
+        entry = self._enumerate()[0].get(uuid)
+        if entry is None:
+            why = (
+                f"device {uuid} no longer exists (a dynamically created MIG device is destroyed when the claim is "
+                "unprepared): its memory cannot be reached to verify it"
+            )
+            return None, 0, 0, why
+        ecc = self._ecc_enabled(entry.parent)
+        if entry.mig_enabled:
+            why = (
+                f"GPU {uuid} is in MIG mode: CUDA cannot reach its memory as a whole; scrub it with MIG disabled, "
+                "or scrub each of its MIG devices"
+            )
+            return ecc, 0, 0, why
+        holders = self.processes(uuid)
+        if holders:
+            pids = ", ".join(str(p.pid) for p in holders)
+            return ecc, 0, 0, f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed"
+        try:
+            total, reserved, _free = self._memory(entry.handle)
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot read memory of {uuid}: {exc}", uuid) from exc
+        if entry.parent_uuid is not None:
+            # A MIG device created after the agent started (NVIDIA's dynamic MIG, the scrub's own instance) has
+            # capability nodes this container's /dev lacks: without them CUDA does not see it.
+            try:
+                self.capabilities.mig_device(
+                    int(self._nvml.nvmlDeviceGetMinorNumber(entry.parent)),
+                    int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle)),
+                    int(self._nvml.nvmlDeviceGetComputeInstanceId(entry.handle)),
+                )
+            except (GpuError, self._nvml.NVMLError) as exc:
+                return ecc, total, reserved, f"cannot open MIG device {uuid} for its scrub: {exc}"
+        return ecc, total, reserved, None
+
     def scrub(self, uuid: str) -> ScrubResult:
         started = time.monotonic()
-        entry = self._enumerate()[0].get(uuid)
-
         disabled = self.scrub_on_free_disabled()
         scrub_on_free = None if disabled is None else not disabled
-        ecc = self._ecc_enabled(entry.parent if entry is not None else None)
+        # NVML open for the checks, not while the scrub runs (minutes on a large GPU; see the module's docstring).
+        with self._session():
+            ecc, total, reserved, why_not = self._scrub_target(uuid)
 
         def result(
             verified: bool,
             reason: str | None,
-            total: int = 0,
-            reserved: int = 0,
             scrubbed: int = 0,
             kernel_s: float | None = None,
             kernels: str | None = None,
@@ -424,40 +458,11 @@ class NvmlBackend:
                 ecc_enabled=ecc,
             )
 
-        if entry is None:
-            return result(
-                False,
-                f"device {uuid} no longer exists (a dynamically created MIG device is destroyed when the "
-                "claim is unprepared): its memory cannot be reached to verify it",
-            )
-        if entry.mig_enabled:
-            return result(
-                False,
-                f"GPU {uuid} is in MIG mode: CUDA cannot reach its memory as a whole; scrub it with MIG "
-                "disabled, or scrub each of its MIG devices",
-            )
-        holders = self.processes(uuid)
-        if holders:
-            pids = ", ".join(str(p.pid) for p in holders)
-            return result(False, f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed")
-        try:
-            total, reserved, _free = self._memory(entry.handle)
-        except self._nvml.NVMLError as exc:
-            raise GpuError(f"NVML cannot read memory of {uuid}: {exc}", uuid) from exc
-        if entry.parent_uuid is not None:
-            # A MIG device created after the agent started (NVIDIA's dynamic MIG, the scrub's own instance) has
-            # capability nodes this container's /dev lacks: without them CUDA does not see it.
-            try:
-                self.capabilities.mig_device(
-                    int(self._nvml.nvmlDeviceGetMinorNumber(entry.parent)),
-                    int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle)),
-                    int(self._nvml.nvmlDeviceGetComputeInstanceId(entry.handle)),
-                )
-            except (GpuError, self._nvml.NVMLError) as exc:
-                return result(False, f"cannot open MIG device {uuid} for its scrub: {exc}", total, reserved)
+        if why_not is not None:
+            return result(False, why_not)
         report, failure = self._run_child(uuid)
         if failure is not None:
-            return result(False, failure, total, reserved)
+            return result(False, failure)
         scrubbed = int(report["bytesScrubbed"])
         kernel_s = float(report["scrubS"])
         kernels = str(report.get("kernels"))
@@ -470,7 +475,7 @@ class NvmlBackend:
                 f"verification found {nonzero} non-zero {report['wordBytes']}-byte words on {uuid} "
                 "after zeroing: memory does not hold writes, or something wrote to it during the scrub"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed, kernel_s, kernels)
         unreachable = max(usable - scrubbed, 0)
         allowed = min(int(self.max_unreachable_fraction * usable), self.max_unreachable_bytes)
         if scrubbed <= 0 or unreachable > allowed:
@@ -480,7 +485,7 @@ class NvmlBackend:
                 f"({self.max_unreachable_fraction:.1%} and at most {self.max_unreachable_bytes} bytes), so they "
                 "are unverified"
             )
-            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed, kernel_s, kernels)
         if unreachable and scrub_on_free is not True:
             why = (
                 "the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them before they are "
@@ -490,8 +495,8 @@ class NvmlBackend:
                 "nothing says they were zeroed; mount the host's /proc/driver/nvidia into the agent"
             )
             reason = f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the driver's), and {why}"
-            return result(False, reason, total, reserved, scrubbed, kernel_s, kernels)
-        return result(True, None, total, reserved, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed, kernel_s, kernels)
+        return result(True, None, scrubbed, kernel_s, kernels)
 
     @_in_session
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
