@@ -220,21 +220,65 @@ def test_xids_of_a_deleted_dynamic_mig_device_stay_with_its_placement(node, open
 
 
 def test_xids_are_read_from_the_kernel_log_as_nvidias_driver_writes_them(node, open_nvml):
-    """Other lines, records of another GPU, and XIDs logged before the agent started (the ring buffer keeps
-    them) are read; the record's own time counts, not when the agent read it."""
+    """Other lines, continuation lines, an address of no GPU of ours (a 5-digit PCI domain too: it counts against
+    every GPU), and the backlog from before the agent started, dated by the kernel's clock."""
     gpu = node.add_gpu()
     other = node.add_gpu()
     node.log_xid(gpu["uuid"], 79)  # before the agent started
+    long_ago = int((time.monotonic() - 300) * 1e6)
     with node.kmsg.open("a") as log:
         log.write("6,2,5,-;eth0: link up\n SUBSYSTEM=net\n")
-        log.write("4,3,6,-;NVRM: Xid (PCI:0000:ff:00): 48, An uncorrectable double bit error\n")
+        log.write(f"4,3,{long_ago},-;NVRM: Xid (PCI:10000:3b:00): 48, An uncorrectable double bit error\n")
     backend = open_nvml(watch_xids=True)
     assert wait_for(lambda: backend.health(other["uuid"], 0).xids) == (48,), "no GPU of ours: counts for each"
     assert backend.health(gpu["uuid"], 0).xids == (79, 48)
+    assert backend.health(gpu["uuid"], time.time() - 60).xids == (79,), "five minutes ago by the kernel's clock"
     logged = time.time()
     node.log_xid(other["uuid"], 62)
     assert wait_for(lambda: backend.health(other["uuid"], logged).xids) == (62,)
     assert backend.health(gpu["uuid"], logged).xids == ()
+
+
+class _KernelLogFault:
+    """The `os` the XID watch reads through, with one read failing as given."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error: Exception | None = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def read(self, fd: int, size: int) -> bytes:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return os.read(fd, size)
+
+
+def test_records_the_kernel_overwrote_unread_fail_health_checks_since_then(node, open_nvml, monkeypatch):
+    gpu = node.add_gpu()
+    before = time.time() - 1
+    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.xid.os", _KernelLogFault(BrokenPipeError(32, "EPIPE")))
+    backend = open_nvml(watch_xids=True)
+    node.log_xid(gpu["uuid"], 79)
+    assert wait_for(lambda: failing_health(backend, gpu["uuid"], before)), "XIDs since then are unknown"
+    assert "overwrote records" in failing_health(backend, gpu["uuid"], before)
+    assert backend.health(gpu["uuid"], time.time() + 1).xids == (), "later allocations are checked as ever"
+
+
+def test_a_watch_that_dies_of_an_unexpected_error_fails_health_checks(node, open_nvml, monkeypatch):
+    gpu = node.add_gpu()
+    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.xid.os", _KernelLogFault(RuntimeError("unexpected")))
+    backend = open_nvml(watch_xids=True)
+    assert "RuntimeError('unexpected')" in (wait_for(lambda: failing_health(backend, gpu["uuid"], 0)) or "")
+
+
+def test_a_gpu_without_persistence_mode_is_named_at_start(node, open_nvml, caplog):
+    node.add_gpu()
+    lone = node.add_gpu(persistenceMode=0)
+    open_nvml()
+    warned = [r.getMessage() for r in caplog.records if "without persistence mode" in r.getMessage()]
+    assert len(warned) == 1 and lone["uuid"] in warned[0]
 
 
 def test_ecc_errors_count_from_the_allocation_not_from_driver_load(node, open_nvml):
@@ -279,18 +323,19 @@ def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
     assert backend.health(gpu["uuid"], time.time() + 1).xids == ()
 
 
+def failing_health(backend: NvmlBackend, uuid: str, since: float) -> str | None:
+    """Why the health check fails (GpuError), or None when it answers."""
+    try:
+        backend.health(uuid, since)
+    except GpuError as exc:
+        return str(exc)
+    return None
+
+
 def test_a_kernel_log_that_cannot_be_read_fails_health_checks(node, open_nvml, tmp_path):
     gpu = node.add_gpu()
     backend = open_nvml(watch_xids=True, kernel_log=tmp_path)  # opens, but every read fails (EISDIR)
-
-    def failing() -> bool:
-        try:
-            backend.health(gpu["uuid"], 0)
-        except GpuError:
-            return True
-        return False
-
-    assert wait_for(failing)
+    assert "Is a directory" in (wait_for(lambda: failing_health(backend, gpu["uuid"], 0)) or "")
 
 
 # ---------------------------------------------------------------- scrub
@@ -571,10 +616,16 @@ def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_mod
     assert "In use by another client" in refused.stderr, "the fake refuses while another process holds NVML"
 
 
-def test_nvml_is_closed_while_a_whole_gpu_scrub_runs(node, open_nvml, monkeypatch):
+@pytest.mark.parametrize("way", ["whole GPU", "MIG off again", "live MIG device", "scratch instance"])
+def test_nvml_is_closed_while_a_scrub_runs(node, open_nvml, monkeypatch, way):
     """A scrub takes minutes on a large GPU; NVML open all that time would hold off the driver's MIG mode changes
-    on every other GPU of the node."""
-    gpu = node.add_gpu()
+    on every GPU of the node. Each way a device or a placement is scrubbed runs the scrub with NVML closed."""
+    gpu = node.add_gpu(mig=None if way == "whole GPU" else [])
+    if way == "MIG off again":
+        node.data["gpus"][0]["migMode"] = 0
+        node.save()
+    if way == "live MIG device":
+        node.create_mig(gpu, "19", start=1)
     backend = open_nvml()
     own_session = node.root / "nvml-sessions" / str(os.getpid())
     open_during: list[bool] = []
@@ -585,7 +636,11 @@ def test_nvml_is_closed_while_a_whole_gpu_scrub_runs(node, open_nvml, monkeypatc
         return run_child(uuid)
 
     monkeypatch.setattr(backend, "_run_child", watched)
-    assert backend.scrub(gpu["uuid"]).verified
+    if way == "whole GPU":
+        result = backend.scrub(gpu["uuid"])
+    else:
+        result = backend.scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    assert result.verified, result.reason
     assert open_during == [False] and not own_session.exists()
 
 

@@ -187,5 +187,5 @@ class GpuBackend(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the backend holds (NVML, its event watch)."""
+        """Release what the backend holds (its XID watch of the kernel log, its ECC sampler)."""
         ...

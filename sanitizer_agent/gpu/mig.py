@@ -16,7 +16,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,55 +157,82 @@ def live_instances(nvml: Any, gpu: Any) -> list[LiveInstance]:
 
 
 @contextmanager
-def scratch_instance(nvml: Any, gpu: Any, placement: MigPlacement) -> Iterator[str]:
+def scratch_instance(
+    nvml: Any, session: Callable[[], AbstractContextManager[None]], placement: MigPlacement
+) -> Iterator[str]:
     """A GPU instance at `placement` with one compute instance, for the time of the block: yields the UUID
-    of its MIG device. Raises GpuError when NVML refuses; destroys what it created, and raises GpuError
+    of its MIG device. NVML is open (`session`) to create it and to destroy it, not while the block runs (the
+    scrub: see nvml.py). Raises GpuError when NVML refuses; destroys what it created, and raises GpuError
     when that fails (the placement would stay blocked)."""
     where = (
         f"GI profile {placement.profile_id} at memory slices {placement.start}..{placement.start + placement.size - 1}"
     )
-    c_placement = nvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+    with session():
+        gpu = _gpu(nvml, placement)
+        c_placement = nvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+        try:
+            gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, placement.profile_id, ctypes.byref(c_placement))
+        except nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot create a GPU instance ({where}) on {placement.parent_uuid}: {exc}") from exc
+        ci = None
+        try:
+            info = nvml.nvmlGpuInstanceGetInfo(gi)
+            got = (int(info.profileId), int(info.placement.start), int(info.placement.size))
+            if got != (placement.profile_id, placement.start, placement.size):
+                raise GpuError(f"NVML created the GPU instance for {where} with profile/placement {got}")
+            ci = _compute_instance(nvml, gi, where)
+            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+            uuid = next(
+                (
+                    live.uuid
+                    for live in live_instances(nvml, gpu)
+                    if live.is_at(placement) and int(nvml.nvmlDeviceGetComputeInstanceId(live.handle)) == ci_id
+                ),
+                None,
+            )
+            if uuid is None:
+                raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
+        except BaseException:
+            _destroy(nvml, gi, ci, where)
+            _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+            raise
     try:
-        gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, placement.profile_id, ctypes.byref(c_placement))
-    except nvml.NVMLError as exc:
-        raise GpuError(f"NVML cannot create a GPU instance ({where}) on {placement.parent_uuid}: {exc}") from exc
-    ci = None
-    try:
-        info = nvml.nvmlGpuInstanceGetInfo(gi)
-        got = (int(info.profileId), int(info.placement.start), int(info.placement.size))
-        if got != (placement.profile_id, placement.start, placement.size):
-            raise GpuError(f"NVML created the GPU instance for {where} with profile/placement {got}")
-        ci = _compute_instance(nvml, gi, where)
-        ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-        uuid = next(
-            (
-                live.uuid
-                for live in live_instances(nvml, gpu)
-                if live.is_at(placement) and int(nvml.nvmlDeviceGetComputeInstanceId(live.handle)) == ci_id
-            ),
-            None,
-        )
-        if uuid is None:
-            raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
         yield uuid
     finally:
-        if ci is not None and _gone(nvml, gpu, placement):
+        with session():
+            gpu = _gpu(nvml, placement)
+            gi, ci = _still_ours(nvml, gpu, placement, uuid, where)
+            _destroy(nvml, gi, ci, where)
+            _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+
+
+def _gpu(nvml: Any, placement: MigPlacement) -> Any:
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(placement.parent_uuid)
+    except nvml.NVMLError as exc:
+        raise GpuError(f"NVML cannot find GPU {placement.parent_uuid}: {exc}", placement.parent_uuid) from exc
+
+
+def _still_ours(nvml: Any, gpu: Any, placement: MigPlacement, uuid: str, where: str) -> tuple[Any, Any]:
+    """The GPU and compute instance of the scrub's MIG device `uuid`, looked up again (NVML was closed meanwhile).
+    A MIG device's UUID is new at each creation, so only the one created here matches; GPU instance IDs are
+    reused and name nothing on their own."""
+    try:
+        mine = next((live for live in live_instances(nvml, gpu) if live.uuid == uuid), None)
+        if mine is None:
             # Destroyed under us: NVIDIA's DRA driver, starting, tears down every MIG device its checkpoint
             # does not name (obliterateStaleMIGDevices). Whatever the scrub saw of it counts for nothing.
             raise ScratchInstanceGone(
                 f"the GPU instance the scrub created ({where}) on {placement.parent_uuid} was destroyed by another "
                 "party during the scrub (NVIDIA's DRA driver tears down MIG devices it did not create when it starts)"
             )
-        _destroy(nvml, gi, ci, where)
-        _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
-
-
-def _gone(nvml: Any, gpu: Any, placement: MigPlacement) -> bool:
-    """Whether no MIG device stands at `placement` any more; raises GpuError when NVML cannot say."""
-    try:
-        return not any(live.is_at(placement) for live in live_instances(nvml, gpu))
+        gi = nvml.nvmlDeviceGetGpuInstanceById(gpu, int(nvml.nvmlDeviceGetGpuInstanceId(mine.handle)))
+        return gi, nvml.nvmlGpuInstanceGetComputeInstanceById(gi, int(nvml.nvmlDeviceGetComputeInstanceId(mine.handle)))
     except nvml.NVMLError as exc:
-        raise GpuError(f"NVML cannot list the MIG devices of {placement.parent_uuid} after the scrub: {exc}") from exc
+        raise GpuError(
+            f"NVML cannot find the GPU instance the scrub created ({where}) on {placement.parent_uuid} to destroy it: "
+            f"{exc}; the placement stays taken until an operator removes it (nvidia-smi mig -dci, then -dgi)"
+        ) from exc
 
 
 class ScratchInstanceGone(GpuError):

@@ -138,21 +138,25 @@ class NvmlBackend:
                 by_pci = {self._pci_address(handle): uuid for uuid, handle in gpus.items()}
             except self._nvml.NVMLError as exc:
                 raise GpuError(f"NVML cannot read the PCI addresses of the GPUs: {exc}") from exc
+            self._warn_without_persistence(gpus)
         self._gpu_uuids = list(gpus)
         self._sample_ecc()
         if watch_xids:
             try:
-                self._xids = XidWatcher(by_pci, self._slices_of, kernel_log, on_poll=self._sample_ecc)
+                self._xids = XidWatcher(by_pci, self._slices_of, kernel_log)
             except OSError as exc:
                 raise GpuError(
                     f"cannot read XID events from the kernel log {kernel_log} ({exc}): the agent needs the host's "
                     "/dev/kmsg (the chart runs it privileged, which gives it); or open the backend with "
                     "watch_xids=False to run without them (ECC and row-remapping counters are still checked)"
                 ) from exc
+        self._closed = threading.Event()
+        threading.Thread(target=self._sample_ecc_until_closed, name="scrubgate-ecc-sampler", daemon=True).start()
 
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        self._closed.set()
         if self._xids is not None:
             self._xids.close()
             self._xids = None
@@ -317,8 +321,29 @@ class NvmlBackend:
                 return 0
             raise
 
+    def _warn_without_persistence(self, gpus: Mapping[str, Any]) -> None:
+        """Without persistence mode the driver tears a GPU's state down when its last client goes, and with it the
+        volatile ECC counters the baseline reads; the XIDs the driver logs for such errors (48, 94, 95) still
+        count, from the kernel log."""
+        for uuid, gpu in gpus.items():
+            try:
+                off = self._nvml.nvmlDeviceGetPersistenceMode(gpu) == self._nvml.NVML_FEATURE_DISABLED
+            except self._nvml.NVMLError:
+                continue  # not a setting of this GPU or platform
+            if off:
+                log.warning(
+                    "GPU %s runs without persistence mode: its volatile ECC counters reset whenever no process has "
+                    "it open, which the agent no longer does between operations; run nvidia-persistenced (NVIDIA's "
+                    "GPU Operator does) so that ECC errors since an allocation are counted",
+                    uuid,
+                )
+
+    def _sample_ecc_until_closed(self) -> None:
+        while not self._closed.wait(self._ecc.sample_every_s):
+            self._sample_ecc()
+
     def _sample_ecc(self) -> None:
-        """The ECC baseline: each GPU's count every minute (from the XID watch's thread, and at open)."""
+        """The ECC baseline: each GPU's count every minute (from its own thread, and at open)."""
         now = time.time()
         due = [uuid for uuid in self._gpu_uuids if self._ecc.due(uuid, now)]
         if not due:
@@ -511,28 +536,34 @@ class NvmlBackend:
             ) from exc
         return [p for uuid in overlapping for p in self.processes(uuid)]
 
-    @_in_session
     def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
         parent = placement.parent_uuid
-        gpu = self._resolve(parent)
-        if not gpu.mig_enabled:
-            # NVIDIA's driver turned MIG off after the last MIG device went: the placement's memory is now
-            # part of the whole GPU, which its teardown fences as well (it shares the memory slices).
-            return self.scrub(parent)
-        try:
-            live = [m for m in mig.live_instances(self._nvml, gpu.handle) if m.overlaps(placement)]
-        except self._nvml.NVMLError as exc:
-            raise GpuError(f"NVML cannot list the MIG devices of {parent}: {exc}", parent) from exc
-        if len(live) == 1 and live[0].is_at(placement):
-            return self.scrub(live[0].uuid)  # not unprepared yet: the same memory, through the same device
-        if live:
-            held = ", ".join(f"{m.uuid} (slices {m.start}..{m.start + m.size - 1})" for m in live)
-            return _unverified(placement, f"memory slices of {_where(placement)} are held by MIG device {held}")
+        # NVML open to choose the way in, closed again before the scrub runs (scrub() opens it for its checks).
+        with self._session():
+            gpu = self._resolve(parent)
+            if not gpu.mig_enabled:
+                # NVIDIA's driver turned MIG off after the last MIG device went: the placement's memory is now
+                # part of the whole GPU, which its teardown fences as well (it shares the memory slices).
+                through: str | None = parent
+            else:
+                try:
+                    live = [m for m in mig.live_instances(self._nvml, gpu.handle) if m.overlaps(placement)]
+                except self._nvml.NVMLError as exc:
+                    raise GpuError(f"NVML cannot list the MIG devices of {parent}: {exc}", parent) from exc
+                if len(live) == 1 and live[0].is_at(placement):
+                    through = live[0].uuid  # not unprepared yet: the same memory, through the same device
+                elif live:
+                    held = ", ".join(f"{m.uuid} (slices {m.start}..{m.start + m.size - 1})" for m in live)
+                    return _unverified(placement, f"memory slices of {_where(placement)} are held by MIG device {held}")
+                else:
+                    through = None
+        if through is not None:
+            return self.scrub(through)
         attempts = 0
         while True:
             attempts += 1
             try:
-                with mig.scratch_instance(self._nvml, gpu.handle, placement) as uuid:
+                with mig.scratch_instance(self._nvml, self._session, placement) as uuid:
                     result = self.scrub(uuid)
                 return result
             except mig.ScratchInstanceGone as exc:

@@ -36,11 +36,11 @@ HISTORY = 4096
 # The GPU instance of an event of the whole GPU (as nvmlEventData_t.gpuInstanceId has it).
 WHOLE_GPU = 0xFFFFFFFF
 UNKNOWN_GPU = "?"
-# The PCI address as the driver prints it (domain:bus:device, hex), an optional GPU instance, the XID.
-_XID_LINE = re.compile(
-    r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
-    r"(?: GPU-I:(?P<gi>\d+))?[^)]*\): (?P<xid>\d+)"
-)
+# The driver's XID line: an address in parentheses (PCI domain:bus:device in hex, the domain %04x so possibly
+# longer, then " GPU-I:nn GPU-CI:nn" on a GPU in MIG mode), then the XID.
+_XID_LINE = re.compile(r"NVRM: Xid \((?P<address>[^)]*)\):?\s*(?P<xid>\d+)")
+_PCI = re.compile(r"(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")
+_GPU_INSTANCE = re.compile(r"GPU-I:(?P<gi>\d+)")
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,14 @@ def pci_address(domain: int, bus: int, device: int) -> str:
 
 
 class XidWatcher:
-    """Collects XID events from the kernel log in a thread; `on_poll` runs whenever the log has nothing new
-    (the ECC sampler).
+    """Collects critical XID events from the kernel log in a thread.
 
     `gpus` maps each GPU's PCI address (pci_address) to its UUID; `slices_of(gpu_uuid, gpu_instance)` reads
-    the memory slices of a GPU instance when its event comes (None when it cannot)."""
+    the memory slices of a GPU instance when its event comes (None when it cannot).
+
+    Times: a record read as it comes counts from when it was read (at most a poll later than it happened, so
+    never before an allocation it followed). The kernel's own timestamps are used only for the backlog read at
+    start: its clock is not corrected by NTP as the wall clock is, and drifts from it over a long uptime."""
 
     def __init__(
         self,
@@ -82,25 +85,32 @@ class XidWatcher:
         slices_of: Callable[[str, int], frozenset[int] | None],
         kernel_log: Path = KERNEL_LOG,
         poll_s: float = 0.5,
-        on_poll: Callable[[], None] | None = None,
     ) -> None:
         self._gpus = dict(gpus)
         self._slices_of = slices_of
         self._poll_s = poll_s
-        self._on_poll = on_poll
         self._events: collections.deque[XidEvent] = collections.deque(maxlen=HISTORY)
+        self._overruns: collections.deque[float] = collections.deque(maxlen=HISTORY)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._backlog = True  # until the first read that finds nothing new
         self.error: str | None = None  # set when the log cannot be read any more: the watch is over
-        self.overrun = 0  # times the kernel overwrote records before they were read
-        self._started = time.time()
+        self._log = kernel_log
         # Raises OSError: the caller says what to do about it.
         self._fd = os.open(kernel_log, os.O_RDONLY | os.O_NONBLOCK)
-        self._log = kernel_log
         self._thread = threading.Thread(target=self._run, name="scrubgate-xid-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as exc:  # whatever ends the watch must fail health checks, not vanish
+            self.error = f"reading {self._log}: {exc!r}"
+            log.exception("XID watch stopped; health checks now fail until the agent restarts")
+        finally:
+            os.close(self._fd)
+
+    def _watch(self) -> None:
         pending = b""
         while not self._stop.is_set():
             try:
@@ -109,8 +119,10 @@ class XidWatcher:
                 chunk = b""
             except BrokenPipeError:
                 # EPIPE: the ring buffer wrapped past records not yet read; the next read goes on after them.
-                self.overrun += 1
-                log.warning("the kernel log overwrote records before they were read; XIDs among them are missed")
+                # XIDs among them are unknown: health checks of allocations older than now fail (closed).
+                with self._lock:
+                    self._overruns.append(time.time())
+                log.error("the kernel log overwrote records before they were read; XIDs among them are unknown")
                 continue
             except OSError as exc:
                 self.error = f"reading {self._log}: {exc}"
@@ -121,60 +133,68 @@ class XidWatcher:
                 for line in lines:
                     self._record(line.decode("utf-8", "replace"))
                 continue
-            if self._on_poll is not None:
-                self._on_poll()
+            self._backlog = False
             self._stop.wait(self._poll_s)
 
     def _record(self, line: str) -> None:
         if line.startswith(" "):  # a record's continuation (KEY=value)
             return
         header, sep, message = line.partition(";")
-        at = time.time()
-        if sep:  # "priority,sequence,microseconds since boot,flags;message"
-            fields = header.split(",")
-            with contextlib.suppress(IndexError, ValueError):  # no usable time: when it was read
-                at -= time.monotonic() - int(fields[2]) / 1e6
-        else:
-            message = line
+        if not sep:
+            message = header
         found = _XID_LINE.search(message)
         if found is None:
             return
-        pci = found["pci"].lower()
-        uuid = self._gpus.get(pci, UNKNOWN_GPU)
+        xid = int(found["xid"])
+        at = time.time()
+        if self._backlog and sep:  # "priority,sequence,microseconds since boot,flags;message"
+            with contextlib.suppress(IndexError, ValueError):
+                at -= time.monotonic() - int(header.split(",")[2]) / 1e6
+        pci = _PCI.search(found["address"])
+        uuid = self._gpus.get(pci["pci"].lower(), UNKNOWN_GPU) if pci else UNKNOWN_GPU
+        instance = _GPU_INSTANCE.search(found["address"])
+        gpu_instance = WHOLE_GPU if instance is None else int(instance["gi"])
+        if not critical_xid(xid):
+            # A tenant's own fault: not kept, so that many of them cannot push a critical one out of the history.
+            log.info("XID %d (an application's own fault) on GPU %s: %s", xid, uuid, message.strip())
+            return
         if uuid == UNKNOWN_GPU:
-            log.warning("XID %s at PCI %s, which is none of this node's GPUs as NVML listed them", found["xid"], pci)
-        gpu_instance = WHOLE_GPU if found["gi"] is None else int(found["gi"])
+            log.warning("XID %d at %r names none of this node's GPUs: it counts against all", xid, found["address"])
+        log.warning("XID %d on GPU %s: %s", xid, uuid, message.strip())
         slices = None
         # A GPU instance ID is reused: only a live event's ID still names the instance it happened in.
-        if gpu_instance != WHOLE_GPU and uuid != UNKNOWN_GPU and at >= self._started - 1:
+        if gpu_instance != WHOLE_GPU and uuid != UNKNOWN_GPU and not self._backlog:
             slices = self._slices_of(uuid, gpu_instance)
-        where = "" if gpu_instance == WHOLE_GPU else f" (GPU instance {gpu_instance}, memory slices {slices})"
-        log.warning("XID %s on GPU %s%s: %s", found["xid"], uuid, where, message.strip())
         with self._lock:
-            self._events.append(XidEvent(at, uuid, gpu_instance, int(found["xid"]), slices))
+            self._events.append(XidEvent(at, uuid, gpu_instance, xid, slices))
 
     def since(
         self, gpu_uuid: str, since: float, gpu_instance: int | None = None, slices: frozenset[int] | None = None
     ) -> tuple[int, ...]:
         """Critical XIDs since `since` on the GPU; with `gpu_instance` or `slices`, on that MIG device or
-        placement (and the whole GPU's) only. An event that names no GPU of ours counts everywhere: fail
-        closed."""
+        placement (and the whole GPU's) only. An event that names no GPU of ours counts everywhere, and XIDs that
+        may have been lost since `since` fail the question: fail closed."""
+        if self.error is None and not self._thread.is_alive() and not self._stop.is_set():
+            self.error = "the watch thread ended"
         if self.error is not None:
             raise GpuError(f"XID events of {gpu_uuid} unknown: the XID watch stopped ({self.error})", gpu_uuid)
         with self._lock:
+            lost = [t for t in self._overruns if t >= since]
+            if lost:
+                raise GpuError(
+                    f"XID events of {gpu_uuid} unknown: the kernel log overwrote records before they were read "
+                    f"({len(lost)} times since the allocation)",
+                    gpu_uuid,
+                )
             return tuple(
                 e.xid
                 for e in self._events
-                if e.at >= since
-                and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU)
-                and e.hits(gpu_instance, slices)
-                and critical_xid(e.xid)
+                if e.at >= since and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU) and e.hits(gpu_instance, slices)
             )
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._poll_s * 4)
-        os.close(self._fd)
 
 
 class EccBaseline:

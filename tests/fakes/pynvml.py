@@ -275,6 +275,10 @@ def nvmlDeviceGetMemoryInfo(handle: c_nvmlDevice_t, version: int | None = None) 
     return SimpleNamespace(version=version, total=total, reserved=reserved, free=free, used=used - reserved)
 
 
+def nvmlDeviceGetPersistenceMode(device: c_nvmlDevice_t) -> int:
+    return int(_physical(device, "nvmlDeviceGetPersistenceMode").get("persistenceMode", NVML_FEATURE_ENABLED))
+
+
 def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]:
     record = _physical(device, "nvmlDeviceGetMigMode")
     if record.get("migMode") is None:
@@ -519,6 +523,15 @@ def nvmlGpuInstanceCreateComputeInstance(gpuInstance: c_nvmlGpuInstance_t, profi
     _save_gpu(gpu)
     fakegpu.grant_capability(fakegpu.load(), _index(gpu), gi["id"], 0)
     return c_nvmlComputeInstance_t(gpu["uuid"], gi["id"], 0)
+
+
+def nvmlGpuInstanceGetComputeInstanceById(
+    gpuInstance: c_nvmlGpuInstance_t, computeInstanceId: int
+) -> c_nvmlComputeInstance_t:
+    gi, gpu = _gi(gpuInstance, "nvmlGpuInstanceGetComputeInstanceById")
+    if not any(m.get("gi") == gi["id"] and m["ci"] == computeInstanceId for m in gpu["migs"]):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return c_nvmlComputeInstance_t(gpu["uuid"], gi["id"], computeInstanceId)
 
 
 def nvmlComputeInstanceGetInfo(computeInstance: c_nvmlComputeInstance_t) -> SimpleNamespace:

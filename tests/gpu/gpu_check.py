@@ -427,13 +427,7 @@ class Check:
         idle = next((d for d in migs if d.uuid != self.device.uuid and not self.backend.processes(d.uuid)), None)
         target = idle or self.device
         mig = importlib.import_module(f"{self.gpu.__name__}.mig")
-        # NVML open for the step, as the backend opens it for each of its own operations.
-        with self.backend._session():
-            return self.mig_paths(mig, gpu_uuid, target)
-
-    def mig_paths(self, mig: Any, gpu_uuid: str, target: Any) -> dict[str, Any]:
-        nvml, handle = self.backend._nvml, self.backend._resolve(gpu_uuid).handle
-        live = mig.live_instances(nvml, handle)
+        live = self.live_instances(mig, gpu_uuid)
         here = next(m for m in live if m.uuid == target.uuid)
         placement = self.gpu.MigPlacement(gpu_uuid, here.profile_id, here.start, here.size)
         # As the agent scrubs a MIG device: through its placement (a live device there is scrubbed by UUID).
@@ -449,14 +443,20 @@ class Check:
         # NVIDIA's driver creates the tenant's device on prepare and deletes it on unprepare; the agent then
         # scrubs the placement through a GPU instance of its own.
         deleted = self.canary_scrub_probe(
-            lambda: mig.scratch_instance(nvml, handle, scratch), lambda: self.backend.scrub_placement(scratch)
+            lambda: mig.scratch_instance(self.backend._nvml, self.backend._session, scratch),
+            lambda: self.backend.scrub_placement(scratch),
         )
-        left = [(m.profile_id, m.start, m.size) for m in mig.live_instances(nvml, handle)]
+        left = [(m.profile_id, m.start, m.size) for m in self.live_instances(mig, gpu_uuid)]
         deleted["instancesAsBefore"] = left == [(m.profile_id, m.start, m.size) for m in live]
         deleted["ok"] = deleted["ok"] and deleted["instancesAsBefore"]
         result["scratch"] = deleted
         result["ok"] = result["ok"] and deleted["ok"]
         return result
+
+    def live_instances(self, mig: Any, gpu_uuid: str) -> list[Any]:
+        """The GPU's MIG devices, with NVML open only for the lookup, as the backend opens it."""
+        with self.backend._session():
+            return mig.live_instances(self.backend._nvml, self.backend._resolve(gpu_uuid).handle)
 
     # ------------------------------------------------------------ all of it
 
