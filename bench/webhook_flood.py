@@ -170,18 +170,15 @@ def measure(port: int, ca: Path, args: argparse.Namespace) -> list[tuple[str, li
     return [("baseline", baseline, []), (f"{args.heavy} heavy in flight", small, heavy)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heavy", type=int, default=48, help="heavy requests in flight (default 48)")
     parser.add_argument("--tolerations", type=int, default=25_000, help="tolerations per heavy pod (default 25000)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the flood (default 20)")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devcluster: the harness at the repo root
+    from devcluster.processes import free_port
+
     scrubgate = shutil.which("scrubgate", path=str(Path(sys.executable).parent)) or "scrubgate"
     with tempfile.TemporaryDirectory(prefix="scrubgate-flood-") as tmp:
         work = Path(tmp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import random
 import shlex
 import signal
 import socket
@@ -39,11 +40,34 @@ def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "conditi
         time.sleep(interval)
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """An ephemeral port on 127.0.0.1 that was free a moment ago (for servers that cannot report theirs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that was free a moment ago (for servers that cannot report theirs), never one this
+    process handed out before. Taken below the kernel's ephemeral range: an ephemeral port can go to any
+    outgoing connection between this check and the server's bind (etcd failed so: "address already in use")."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for port in random.sample(range(low, high), min(500, high - low)):
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise HarnessError(f"no free port on 127.0.0.1 between {low} and {high} after 500 tries")
 
 
 # ---------------------------------------------------------------------- processes

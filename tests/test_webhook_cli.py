@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import time
 import httpx
 from scrubgate.webhook.cli import add_arguments
 from webhook_support import gpu_claim, make_tls_dir, review
+
+from devcluster.processes import free_port
 
 # What the lead's `scrubgate webhook` does: parse with add_arguments, call run.
 ENTRY = (
@@ -30,12 +31,6 @@ def _command(tls, *extra: str) -> list[str]:
     return [sys.executable, "-c", ENTRY, "--tls-cert", str(tls.tls_cert), "--tls-key", str(tls.tls_key), *extra]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_arguments_and_defaults():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -45,7 +40,7 @@ def test_arguments_and_defaults():
 
 def test_the_webhook_process_serves_and_stops_cleanly(tmp_path):
     tls = make_tls_dir(tmp_path / "tls")
-    port = _free_port()
+    port = free_port()
     audit = tmp_path / "audit.jsonl"
     process = subprocess.Popen(
         _command(tls, "--host", "127.0.0.1", "--port", str(port), "--audit-log", str(audit)),
@@ -81,7 +76,7 @@ def test_the_webhook_refuses_to_start_with_a_bad_policy(tmp_path):
     policy = tmp_path / "policy.yaml"
     policy.write_text("rules:\n  SG001: {action: maybe}\n")
     result = subprocess.run(
-        _command(tls, "--host", "127.0.0.1", "--port", str(_free_port()), "--policy", str(policy)),
+        _command(tls, "--host", "127.0.0.1", "--port", str(free_port()), "--policy", str(policy)),
         capture_output=True,
         text=True,
         timeout=60,
