@@ -49,6 +49,10 @@ class Admission:
     subresource: str = ""
     node: str = ""  # the node the requester's credentials are bound to (a pod's or a Node-bound token)
 
+    @property
+    def requester(self) -> rules.Requester:
+        return rules.Requester(self.username, self.groups, self.node)
+
 
 def _findings(policy: PolicyConfig, rule_id: str, violations: list[Violation]) -> list[Finding]:
     if not violations:
@@ -99,13 +103,13 @@ def validate(
             before = {f.message for f in _findings(policy, "SG002", rules.group_reservation(old))}
             found += [f for f in shared if f.message not in before]
         if _enabled(policy, "SG007"):
-            found += _guarded(policy, rules.deallocation_guard(obj, old, admission.username, admission.groups, policy))
+            found += _guarded(policy, rules.deallocation_guard(obj, old, admission.requester, policy))
         return found
     found = _object_findings(obj, policy, trusted, manifest=admission is None)
     if admission is None or admission.operation == "CREATE":
         if is_claim(obj) and not stored and _enabled(policy, "SG007"):
-            user = (admission.username, admission.groups) if admission is not None else ("", ())
-            found += _findings(policy, "SG007", rules.preset_annotations(obj, *user, policy))
+            who = admission.requester if admission is not None else rules.Requester()
+            found += _findings(policy, "SG007", rules.preset_annotations(obj, who, policy))
         return found
     old = admission.old_object
     if admission.operation != "UPDATE" or not isinstance(old, dict):
@@ -113,9 +117,7 @@ def validate(
     existing = {(f.rule, f.path, f.message) for f in _object_findings(old, policy, trusted, manifest=False)}
     found = [f for f in found if (f.rule, f.path, f.message) not in existing]
     if kind_of(obj)[1] == "ResourceClaim" and _enabled(policy, "SG007"):
-        found += _guarded(
-            policy, rules.finalizer_guard(obj, old, admission.username, admission.groups, policy, admission.node)
-        )
+        found += _guarded(policy, rules.finalizer_guard(obj, old, admission.requester, policy))
     return found
 
 
@@ -133,12 +135,10 @@ def _other_findings(
         return []
     old = admission.old_object if isinstance(admission.old_object, dict) else None
     if is_namespace(obj) and admission.operation in ("CREATE", "UPDATE") and _enabled(policy, "SG010"):
-        result = rules.tenancy_label(obj, old, admission.username, admission.groups, policy)
+        result = rules.tenancy_label(obj, old, admission.requester, policy)
         return _guarded(policy, result, "SG010")
     if is_node(obj) and admission.operation == "UPDATE" and old is not None and _enabled(policy, "SG007"):
-        return _guarded(
-            policy, rules.node_fence_guard(obj, old, admission.username, admission.groups, policy, admission.node)
-        )
+        return _guarded(policy, rules.node_fence_guard(obj, old, admission.requester, policy))
     if is_eviction(obj) and admission.operation == "CREATE":
         return _findings(policy, "SG008", rules.force_evict(obj, admission.groups, policy))
     if admission.operation != "UPDATE" or old is None:
@@ -152,7 +152,7 @@ def _fence_findings(
     """SG007 on a DELETE (`obj` None) or UPDATE of a DeviceTaintRule that is one of scrubgate's fences."""
     if not fence_key(old) or not _enabled(policy, "SG007"):
         return []
-    return _guarded(policy, rules.fence_guard(obj, old, admission.username, admission.groups, policy, admission.node))
+    return _guarded(policy, rules.fence_guard(obj, old, admission.requester, policy))
 
 
 def _guarded(

@@ -265,32 +265,46 @@ def admin_access(requests: list[DeviceRequest]) -> list[Violation]:
     ]
 
 
+@dataclass(frozen=True)
+class Requester:
+    """Who sends a write, as admission names them: the user, the groups, and the node the credentials are bound
+    to (a DaemonSet pod's projected token; "" for any other). A manifest (CI) has none: the empty requester."""
+
+    username: str = ""
+    groups: tuple[str, ...] = ()
+    node: str = ""
+
+    def is_agent(self, policy: PolicyConfig) -> bool:
+        return self.username in policy.agent.identities
+
+    def is_admin(self, policy: PolicyConfig) -> bool:
+        return any(group in policy.admin_groups for group in self.groups)
+
+
 def _annotation_writes(
     old: dict[str, Any],
     new: dict[str, Any],
     place: tuple[str, ...],
-    username: str,
-    is_agent: bool,
-    is_admin: bool,
+    who: Requester,
     policy: PolicyConfig,
 ) -> list[Violation]:
     """SG007's guard of the annotations only the agent (devices, scrub-status, attestation) or an admin
     (break-glass) may write, for the annotations at `place` going from `old` to `new`."""
     violations: list[Violation] = []
     written = [k for k in AGENT_ANNOTATIONS if old.get(k) != new.get(k)]
-    if written and not is_agent:
+    if written and not who.is_agent(policy):
         violations.append(
             (
-                f"user {username!r} wrote {', '.join(written)}: only the scrubgate node agent writes these "
+                f"user {who.username!r} wrote {', '.join(written)}: only the scrubgate node agent writes these "
                 f"annotations; remove the change",
                 pointer(*place, "annotations", written[0]),
                 (),
             )
         )
-    if old.get(names.ANNOTATION_BREAK_GLASS) != new.get(names.ANNOTATION_BREAK_GLASS) and not is_admin:
+    if old.get(names.ANNOTATION_BREAK_GLASS) != new.get(names.ANNOTATION_BREAK_GLASS) and not who.is_admin(policy):
         violations.append(
             (
-                f"user {username!r} wrote {names.ANNOTATION_BREAK_GLASS}: only members of the policy's admin "
+                f"user {who.username!r} wrote {names.ANNOTATION_BREAK_GLASS}: only members of the policy's admin "
                 f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may",
                 pointer(*place, "annotations", names.ANNOTATION_BREAK_GLASS),
                 (),
@@ -299,17 +313,10 @@ def _annotation_writes(
     return violations
 
 
-def _roles(username: str, groups: tuple[str, ...], policy: PolicyConfig) -> tuple[bool, bool]:
-    return username in policy.agent.identities, any(group in policy.admin_groups for group in groups)
-
-
-def preset_annotations(
-    obj: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
-) -> list[Violation]:
+def preset_annotations(obj: dict[str, Any], who: Requester, policy: PolicyConfig) -> list[Violation]:
     """SG007 on a new claim or template (and in manifests): one that arrives already carrying the agent's
     annotations or a break-glass reason would skip the guard that UPDATEs get. A template's
     `spec.metadata.annotations` are copied into every claim generated from it."""
-    is_agent, is_admin = _roles(username, groups, policy)
     places = [("metadata",)]
     if as_str(obj.get("kind")) == "ResourceClaimTemplate":
         places.append(("spec", "metadata"))
@@ -318,29 +325,19 @@ def preset_annotations(
         node: Any = obj
         for key in place:
             node = as_dict(node).get(key)
-        violations += _annotation_writes(
-            {}, as_dict(as_dict(node).get("annotations")), place, username, is_agent, is_admin, policy
-        )
+        violations += _annotation_writes({}, as_dict(as_dict(node).get("annotations")), place, who, policy)
     return violations
 
 
 def finalizer_guard(
-    obj: dict[str, Any],
-    old: dict[str, Any],
-    username: str,
-    groups: tuple[str, ...],
-    policy: PolicyConfig,
-    node: str = "",
+    obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
-    """SG007 on an UPDATE of a ResourceClaim; `node` is the one the requester's credentials are bound to.
-    Returns (violations, break-glass removals to audit)."""
-    is_agent, is_admin = _roles(username, groups, policy)
+    """SG007 on an UPDATE of a ResourceClaim. Returns (violations, break-glass removals to audit)."""
+    is_agent, username = who.is_agent(policy), who.username
     old_annotations, new_annotations = annotations(old), annotations(obj)
-    violations = _annotation_writes(
-        old_annotations, new_annotations, ("metadata",), username, is_agent, is_admin, policy
-    )
+    violations = _annotation_writes(old_annotations, new_annotations, ("metadata",), who, policy)
     if is_agent and old != obj:
-        elsewhere = _not_the_agents_node(claim_nodes(old), node, f"claim {_object_name(old)}", policy)
+        elsewhere = _not_the_agents_node(claim_nodes(old), who.node, f"claim {_object_name(old)}", policy)
         if elsewhere:
             return [*violations, (elsewhere, "/metadata", ())], []  # nothing else it writes here counts
     old_finalizers = as_list(metadata(old).get("finalizers"))
@@ -352,7 +349,7 @@ def finalizer_guard(
             f"{names.FINALIZER} removed, nothing to scrub"
         )
         return violations, [(message, "/metadata/finalizers", ())]
-    protection = _delete_protection_removal(old, new_finalizers, username, is_admin, policy)
+    protection = _delete_protection_removal(old, new_finalizers, who, policy)
     violations += protection[0]
     if names.FINALIZER not in old_finalizers or names.FINALIZER in new_finalizers:
         return violations, protection[1]
@@ -361,11 +358,11 @@ def finalizer_guard(
     path = "/metadata/finalizers"
     reason = as_str(new_annotations.get(names.ANNOTATION_BREAK_GLASS)).strip()
     if is_agent:
-        problem = _attestation_problem(obj, old, policy, node if policy.agent.node_binding else None)
+        problem = _attestation_problem(obj, old, policy, who.node if policy.agent.node_binding else None)
         if problem:
             violations.append((f"{names.FINALIZER} removed {problem}", path, ()))
         return violations, protection[1]
-    if is_admin and reason:
+    if who.is_admin(policy) and reason:
         removal = (f"break-glass removal of {names.FINALIZER} by {username!r}: {reason}", path, ())
         return violations, [*protection[1], removal]
     violations.append(
@@ -380,7 +377,7 @@ def finalizer_guard(
 
 
 def _delete_protection_removal(
-    old: dict[str, Any], new_finalizers: list[Any], username: str, is_admin: bool, policy: PolicyConfig
+    old: dict[str, Any], new_finalizers: list[Any], who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007: Kubernetes' `resource.kubernetes.io/delete-protection` removed from a claim that holds a GPU.
     The resourceclaim controller removes it only once the allocation is gone; without it, the controller drops
@@ -394,12 +391,12 @@ def _delete_protection_removal(
     if not _holds_guarded_devices(old, policy):
         return [], []
     path = "/metadata/finalizers"
-    if is_admin:
+    if who.is_admin(policy):
         return [], [
-            (f"admin {username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim holding a GPU", path, ())
+            (f"admin {who.username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim holding a GPU", path, ())
         ]
     message = (
-        f"user {username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim that still holds a GPU: "
+        f"user {who.username!r} removed {names.DELETE_PROTECTION_FINALIZER} from a claim that still holds a GPU: "
         f"Kubernetes removes it once the claim is deallocated, which scrubgate allows after the node agent has "
         f"attested the device's scrub; remove the change"
     )
@@ -539,7 +536,7 @@ def scheduler_release_patch(
 
 
 def deallocation_guard(
-    obj: dict[str, Any], old: dict[str, Any], username: str, groups: tuple[str, ...], policy: PolicyConfig
+    obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on an UPDATE of a GPU claim's status: the allocation goes (its devices back to the pool) only
     once the claim carries an attestation of their scrub. Until then the allocation is what keeps the devices
@@ -549,6 +546,7 @@ def deallocation_guard(
     DeviceTaintRules after a failed scrub (`scrub-status: failed:...`), or an admin clears the allocation
     personally (a node gone for good, whose devices no one can be allocated).
     Returns (violations, break-glass deallocations to audit)."""
+    username = who.username
     allocation = as_dict(old.get("status")).get("allocation")
     if not allocation or as_dict(obj.get("status")).get("allocation") == allocation:
         return [], []
@@ -567,7 +565,7 @@ def deallocation_guard(
     if reason and status.startswith(names.SCRUB_FAILED_PREFIX):
         audit = f"break-glass deallocation by {username!r}, devices fenced after a failed scrub ({status}): {reason}"
         return [], [(audit, path, ())]
-    if reason and any(group in policy.admin_groups for group in groups):
+    if reason and who.is_admin(policy):
         audit = f"break-glass deallocation by admin {username!r}, devices neither fenced nor attested clean: {reason}"
         return [], [(audit, path, ())]
     if reason:
@@ -590,12 +588,7 @@ def deallocation_guard(
 
 
 def fence_guard(
-    obj: dict[str, Any] | None,
-    old: dict[str, Any],
-    username: str,
-    groups: tuple[str, ...],
-    policy: PolicyConfig,
-    node: str = "",
+    obj: dict[str, Any] | None, old: dict[str, Any], who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on a DELETE (`obj` None) or UPDATE of one of scrubgate's fences, a DeviceTaintRule with a
     scrubgate.dev/ taint: lifting it, or pointing it at another device, hands a device that may still hold
@@ -612,16 +605,11 @@ def fence_guard(
     what = "deleted" if obj is None else "changed the spec of"
     rule = f"DeviceTaintRule {as_str(metadata(old).get('name'))!r}, scrubgate's fence ({fence_key(old)}) on {device}"
     lift = FenceLift(f"{what} {rule}", fence_node, f"fence {_object_name(old)}", "/spec")
-    return _fence_lift(lift, username, groups, policy, node)
+    return _fence_lift(lift, who, policy)
 
 
 def node_fence_guard(
-    obj: dict[str, Any],
-    old: dict[str, Any],
-    username: str,
-    groups: tuple[str, ...],
-    policy: PolicyConfig,
-    node: str = "",
+    obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG007 on an UPDATE of a Node that lifts or changes scrubgate's fallback fence, a node taint with a
     scrubgate.dev/ key (where no DeviceTaintRule API is served): as for a DeviceTaintRule, only the agent of
@@ -640,7 +628,7 @@ def node_fence_guard(
     lift = FenceLift(
         f"lifted scrubgate's fence {keys} from node {name!r}", name, f"the taints of node {name!r}", "/spec/taints"
     )
-    return _fence_lift(lift, username, groups, policy, node)
+    return _fence_lift(lift, who, policy)
 
 
 @dataclass(frozen=True)
@@ -654,20 +642,17 @@ class FenceLift:
     path: str
 
 
-def _fence_lift(
-    lift: FenceLift, username: str, groups: tuple[str, ...], policy: PolicyConfig, node: str
-) -> tuple[list[Violation], list[Violation]]:
+def _fence_lift(lift: FenceLift, who: Requester, policy: PolicyConfig) -> tuple[list[Violation], list[Violation]]:
     """Who may lift a fence, DeviceTaintRule or node taint alike: the agent of its node; an admin, recorded;
     nobody else. Returns (violations, admin lifts to audit)."""
-    is_agent, is_admin = _roles(username, groups, policy)
-    if is_agent:
-        elsewhere = _not_the_agents_node({lift.node} - {""}, node, lift.subject, policy)
+    if who.is_agent(policy):
+        elsewhere = _not_the_agents_node({lift.node} - {""}, who.node, lift.subject, policy)
         return ([(elsewhere, lift.path, ())] if elsewhere else []), []
-    if is_admin:
-        return [], [(f"admin {username!r} {lift.act}; the device is not attested clean", lift.path, ())]
+    if who.is_admin(policy):
+        return [], [(f"admin {who.username!r} {lift.act}; the device is not attested clean", lift.path, ())]
     return [
         (
-            f"user {username!r} {lift.act}: only the scrubgate node agent lifts or changes its fences, after "
+            f"user {who.username!r} {lift.act}: only the scrubgate node agent lifts or changes its fences, after "
             f"a verified scrub, since the device may still hold a tenant's data; members of the policy's admin "
             f"groups ({', '.join(policy.admin_groups) or 'none configured'}) may, and are audited",
             lift.path,
@@ -811,7 +796,7 @@ def gpu_class_coverage(device_class: dict[str, Any], policy: PolicyConfig) -> li
 
 
 def tenancy_label(
-    obj: dict[str, Any], old: dict[str, Any] | None, username: str, groups: tuple[str, ...], policy: PolicyConfig
+    obj: dict[str, Any], old: dict[str, Any] | None, who: Requester, policy: PolicyConfig
 ) -> tuple[list[Violation], list[Violation]]:
     """SG010 on a Namespace CREATE or UPDATE that sets, changes or removes the tenancy label: `trusted`
     switches SG001, SG006 and SG002 for pods off in the namespace, so only the policy's admin groups may
@@ -828,11 +813,11 @@ def tenancy_label(
     name = as_str(metadata(obj).get("name"))
     change = f"{label} of namespace {name!r} from {before!r} to {after!r}"
     path = pointer("metadata", "labels", label)
-    if any(group in policy.admin_groups for group in groups):
-        return [], [(f"admin {username!r} changed {change}", path, ())]
+    if who.is_admin(policy):
+        return [], [(f"admin {who.username!r} changed {change}", path, ())]
     return [
         (
-            f"user {username!r} changed {change}: only members of the policy's admin groups "
+            f"user {who.username!r} changed {change}: only members of the policy's admin groups "
             f"({', '.join(policy.admin_groups) or 'none configured'}) may set or remove it, since "
             f"{label}={policy.tenancy.trusted_value} lifts scrubgate's multi-tenant rules in the namespace",
             path,

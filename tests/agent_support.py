@@ -22,7 +22,7 @@ from scrubgate.policies.attestation import (
     public_key_pem,
 )
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.rules import deallocation_guard
+from scrubgate.policies.rules import Requester, deallocation_guard
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
@@ -30,6 +30,8 @@ from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
 from scrubgate.sanitizer_agent.rescrub import request_dir
 from scrubgate.sanitizer_agent.teardown import Signer, TeardownSettings
+
+from devcluster.harness import CLAIM_CONTROLLER_USER
 
 NODE = "gpu-node-1"
 DRIVER = "gpu.nvidia.com"
@@ -340,7 +342,7 @@ def _memory_counters(node: GpuNode) -> dict[str, tuple[str, list[int]]]:
     return found
 
 
-CLAIM_CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+CLAIM_CONTROLLER = Requester(CLAIM_CONTROLLER_USER, ("system:serviceaccounts",))
 
 
 def sg007(signer: Signer) -> Callable[[dict[str, Any]], bool]:
@@ -349,7 +351,7 @@ def sg007(signer: Signer) -> Callable[[dict[str, Any]], bool]:
 
     def allowed(claim: dict[str, Any]) -> bool:
         cleared = {**claim, "status": {}}
-        return not deallocation_guard(cleared, claim, CLAIM_CONTROLLER, ("system:serviceaccounts",), policy)[0]
+        return not deallocation_guard(cleared, claim, CLAIM_CONTROLLER, policy)[0]
 
     return allowed
 
