@@ -753,12 +753,8 @@ class Cluster:
             self.users["agent"].token = token
 
     def _node_uid(self, node: str) -> str | None:
-        try:
-            return self.request("GET", f"/api/v1/nodes/{node}")["metadata"]["uid"]
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        found = Rest(self.client()).get(f"/api/v1/nodes/{node}")
+        return found["metadata"]["uid"] if found else None
 
     def _write_token_kubeconfig(self, path: Path, user: str, token: str) -> None:
         write_kubeconfig(path, self.url, self._ca_file, user, {"token": token})

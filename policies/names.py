@@ -15,6 +15,9 @@ TENANCY_TRUSTED: Final = "trusted"
 
 TAINT_UNSANITIZED: Final = "scrubgate.dev/unsanitized"
 ANNOTATION_FENCE_NODE: Final = "scrubgate.dev/node"  # on a fence: the node whose agent placed it
+ANNOTATION_FENCE_CLAIM: Final = "scrubgate.dev/claim"  # on a fence: the claim whose teardown placed it
+# The user's extra in which the API server names the node a token is bound to (a DaemonSet pod's, since 1.32).
+NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
 TAINT_SCRUB_FAILED: Final = "scrubgate.dev/scrub-failed"
 
 DEALLOCATION_DELETE: Final = "Delete"

@@ -87,7 +87,7 @@ class Fencer:
     def _rule(self, td: Teardown, name: str, device: FencedDevice, taint_key: str, value: str) -> dict[str, Any]:
         annotations = {
             names.ANNOTATION_FENCE_NODE: self.node,
-            "scrubgate.dev/claim": f"{td.claim.namespace}/{td.claim.name}",
+            names.ANNOTATION_FENCE_CLAIM: f"{td.claim.namespace}/{td.claim.name}",
         }
         if isinstance(device, OverlapRecord):
             annotations[SHARES_MEMORY_ANNOTATION] = ", ".join(device.shares_memory_with)

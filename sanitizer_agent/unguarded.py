@@ -67,7 +67,10 @@ def add_missing_finalizer(
     message = (
         f"claim {namespace}/{name} holds GPU {', '.join(devices)} but had no {names.FINALIZER} finalizer; the scrubgate "
         f"agent on {node} added it. Its device class(es) {classes}: add them to gpuDeviceClasses in the scrubgate "
-        "policy, or check that the scrubgate webhook was reachable when the claim was created."
+        "policy; where they are there already, the webhook configurations' claim-requests-a-gpu-class condition "
+        "does not match them (with the kustomize base, add them to it in manifests/webhook-settings.yaml and "
+        "webhook-configurations.yaml; the chart writes it from the policy); else check that the scrubgate webhook "
+        "was reachable when the claim was created."
     )
     log.warning("%s", message)
     involved = {

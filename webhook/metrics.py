@@ -14,6 +14,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from .defaults import HEAVY_BODY_BYTES
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # The API server's timeout for us is at most 5 s (manifests): buckets resolve the sub-millisecond
@@ -131,8 +133,9 @@ class Metrics:
         )
         self.heavy_queued = Gauge(
             "scrubgate_webhook_heavy_requests_queued",
-            "Heavy requests (bodies over 64 KiB) waiting for the one worker that evaluates them, which serves "
-            "requesters in turn; a queue that stays long means the API server's 5 s timeout refuses some.",
+            f"Heavy requests (bodies over {HEAVY_BODY_BYTES // 1024} KiB) waiting for the one worker that evaluates "
+            "them, which serves requesters in turn; a queue that stays long means the API server's 5 s timeout "
+            "refuses some.",
             registry=r,
         )
         self.cert_not_after = Gauge(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
+from scrubgate.policies import names
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 API_VERSION = "admission.k8s.io/v1"
@@ -27,7 +28,6 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
 # On the TypedDicts as `__pydantic_config__` (pydantic.with_config needs pydantic 2.7; pyproject allows 2.6).
 _STRICT = ConfigDict(strict=True, extra="ignore")
-NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 
 # The wire format: compact JSON. One encoder for every answer (json.dumps with separators builds a new
 # JSONEncoder on each call).
@@ -101,7 +101,7 @@ class AdmissionRequest(BaseModel):
     def node(self) -> str:
         """The node the requester's credentials are bound to (a pod's projected token, or a token bound to a
         Node), as the API server puts it in the user's extra; "" when they name none."""
-        return next(iter(self.user_info.get("extra", {}).get(NODE_NAME_EXTRA, [])), "")
+        return next(iter(self.user_info.get("extra", {}).get(names.NODE_NAME_EXTRA, [])), "")
 
 
 class AdmissionReview(TypedDict):

@@ -139,8 +139,8 @@ class NvmlBackend:
             except self._nvml.NVMLError as exc:
                 raise GpuError(f"NVML cannot read the PCI addresses of the GPUs: {exc}") from exc
             self._warn_without_persistence(gpus)
-        self._gpu_uuids = list(gpus)
-        self._sample_ecc()
+            self._gpu_uuids = list(gpus)
+            self._sample_ecc()
         if watch_xids:
             try:
                 self._xids = XidWatcher(by_pci, self._slices_of, kernel_log)
@@ -345,12 +345,9 @@ class NvmlBackend:
     def _sample_ecc(self) -> None:
         """The ECC baseline: each GPU's count every minute (from its own thread, and at open)."""
         now = time.time()
-        due = [uuid for uuid in self._gpu_uuids if self._ecc.due(uuid, now)]
-        if not due:
-            return
         try:
             with self._session():
-                for uuid in due:
+                for uuid in self._gpu_uuids:
                     try:
                         self._ecc.record(uuid, now, self._ecc_count(self._nvml.nvmlDeviceGetHandleByUUID(uuid)))
                     except self._nvml.NVMLError as exc:
@@ -537,6 +534,20 @@ class NvmlBackend:
         return [p for uuid in overlapping for p in self.processes(uuid)]
 
     def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
+        for attempt in range(1, SCRATCH_ATTEMPTS + 1):
+            try:
+                return self._scrub_placement_once(placement)
+            except mig.ScratchInstanceGone as exc:
+                # NVIDIA's driver restarted mid-scrub: the way in is chosen again (its start may also have
+                # turned MIG off, and the placement is then scrubbed through the whole GPU).
+                if attempt == SCRATCH_ATTEMPTS:
+                    return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}, {attempt} times")
+                log.warning("%s; scrubbing %s again", exc, _where(placement))
+            except GpuError as exc:
+                return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def _scrub_placement_once(self, placement: MigPlacement) -> ScrubResult:
         parent = placement.parent_uuid
         # NVML open to choose the way in, closed again before the scrub runs (scrub() opens it for its checks).
         with self._session():
@@ -559,19 +570,8 @@ class NvmlBackend:
                     through = None
         if through is not None:
             return self.scrub(through)
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                with mig.scratch_instance(self._nvml, self._session, placement) as uuid:
-                    result = self.scrub(uuid)
-                return result
-            except mig.ScratchInstanceGone as exc:
-                if attempts == SCRATCH_ATTEMPTS:
-                    return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}, {attempts} times")
-                log.warning("%s; scrubbing %s again", exc, _where(placement))
-            except GpuError as exc:
-                return _unverified(placement, f"cannot scrub {_where(placement)}: {exc}")
+        with mig.scratch_instance(self._nvml, self._session, placement) as uuid:
+            return self.scrub(uuid)
 
     def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
         """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""

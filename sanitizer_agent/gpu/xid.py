@@ -212,7 +212,6 @@ class EccBaseline:
         self.path = path
         self.sample_every_s = sample_every_s
         self._changes: dict[str, list[tuple[float, int]]] = {}  # GPU -> [(first sample), (each change)...]
-        self._seen: dict[str, float] = {}  # GPU -> time of the last sample (this process)
         self._lock = threading.Lock()
         if path is not None:
             try:
@@ -223,13 +222,8 @@ class EccBaseline:
             except (OSError, ValueError, TypeError, AttributeError) as exc:
                 log.warning("ignoring the ECC history %s (%s): baselines start now", path, exc)
 
-    def due(self, gpu_uuid: str, now: float) -> bool:
-        with self._lock:
-            return now - self._seen.get(gpu_uuid, float("-inf")) >= self.sample_every_s
-
     def record(self, gpu_uuid: str, at: float, count: int) -> None:
         with self._lock:
-            self._seen[gpu_uuid] = at
             changes = self._changes.get(gpu_uuid)
             if changes and count == changes[-1][1]:
                 return
