@@ -163,6 +163,7 @@ class Paths:
     proxy_port: Path = field(init=False)
     checkpoint: Path = field(init=False)
     kubeconfig: Path = field(init=False)
+    webhook_kubeconfig: Path = field(init=False)
     node_kubeconfig: Path = field(init=False)
     driver_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
@@ -181,6 +182,7 @@ class Paths:
         self.proxy_port = r / "webhook-service.port"
         self.checkpoint = r / "agent" / "checkpoint.json"
         self.kubeconfig = r / "agent" / "kubeconfig.yaml"
+        self.webhook_kubeconfig = r / "webhook" / "kubeconfig.yaml"
         self.node_kubeconfig = r / "node" / "kubeconfig.yaml"
         self.driver_kubeconfig = r / "node" / "driver-kubeconfig.yaml"
         self.audit_log = r / "audit" / "audit.jsonl"
@@ -484,6 +486,7 @@ class Cluster:
             self.webhook.start()
             self.wait_webhook_ready()
             self._install()
+            self._webhook_credentials()
             for node in self.nodes:
                 node.agent.start()
             for node in self.nodes:
@@ -551,6 +554,7 @@ class Cluster:
             p.checkpoint.parent,
             p.audit_log.parent,
             p.node_kubeconfig.parent,
+            p.webhook_kubeconfig.parent,
         ):
             directory.mkdir(parents=True, exist_ok=True)
         for node in self.nodes:  # UUIDs are random (uuid4): no two nodes share one
@@ -809,6 +813,7 @@ class Cluster:
             "--audit-signing-key": p.certs / AUDIT_KEY_FILE,
             "--audit-checkpoint-interval": 1,
             "--client-ca": p.client_ca,  # as the base's Deployment: only the API server may ask
+            "--kubeconfig": p.webhook_kubeconfig,  # its ServiceAccount's token, written once installed
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 
@@ -856,6 +861,17 @@ class Cluster:
             lambda: self.webhook_get("/readyz")[0] == 200 or self.webhook.check_alive(),
             timeout or self.ready_timeout,
             f"the webhook's /readyz on 127.0.0.1:{self.webhook_port}",
+        )
+
+    def _webhook_credentials(self) -> None:
+        """What the webhook's pod mounts once installed: a token of its ServiceAccount, whose RBAC reads
+        DeviceClasses; then it has read them (until then it guards every claim)."""
+        token = self.service_account_token(self.namespace, names.WEBHOOK_SERVICE_ACCOUNT)
+        self._write_token_kubeconfig(self.paths.webhook_kubeconfig, "webhook", token)
+        wait_for(
+            lambda: '"deviceClasses": true' in self.webhook_get("/readyz")[1] or self.webhook.check_alive(),
+            self.ready_timeout,
+            "the webhook's list of DeviceClasses",
         )
 
     def webhook_get(self, path: str) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .model import as_dict, as_list, as_str
-from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE
+from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE, RESERVATION_GROUP, RESERVATION_RESOURCE
 
 PAYLOAD_VERSION = 1
 
@@ -53,16 +53,19 @@ def build_payload(
     finished_at: datetime,
     health: Mapping[str, Any],
     consumers: Iterable[tuple[str, str]] = (),
+    allocation: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """The payload of DESIGN.md; `devices` are dicts with driver, pool, device, uuid, bytesScrubbed,
     bytesTotal, method and verified. `consumers` are the (name, UID) of the pods the claim was reserved for
-    when it was released: the scrub is for what they left, not for a later pod on the same claim."""
+    when it was released: the scrub is for what they left, not for a later pod on the same claim. `allocation`
+    binds it to the allocation it attests (`allocation_identity`): a claim allocated again later is not covered."""
     return {
         "v": PAYLOAD_VERSION,
         "claim": {"namespace": namespace, "name": name, "uid": uid},
         "node": node,
         "devices": [dict(d) for d in devices],
         "consumers": [{"name": name, "uid": uid} for name, uid in consumers],
+        "allocation": dict(allocation or {"reservation": None, "allocatedAt": None}),
         "startedAt": rfc3339(started_at),
         "finishedAt": rfc3339(finished_at),
         "health": dict(health),
@@ -190,6 +193,35 @@ def reserved_consumers(claim: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     return found
 
 
+def claim_consumers(claim: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """`reserved_consumers` but for node agents' holds: what uses the claim's devices."""
+    return [c for c in reserved_consumers(claim) if not is_agent_reservation(c[0])]
+
+
+def agent_reservations(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(node, UID) of each node agent's hold on the claim: its `scrubgate.dev/nodeagents` consumer."""
+    found = []
+    for entry in as_list(as_dict(claim.get("status")).get("reservedFor")):
+        ref = as_dict(entry)
+        if ref.get("apiGroup") == RESERVATION_GROUP and ref.get("resource") == RESERVATION_RESOURCE:
+            found.append((as_str(ref.get("name")), as_str(ref.get("uid"))))
+    return found
+
+
+def is_agent_reservation(resource: str) -> bool:
+    """Whether a `reserved_consumers` resource is a node agent's hold."""
+    return resource == f"{RESERVATION_RESOURCE}.{RESERVATION_GROUP}"
+
+
+def allocation_identity(claim: Mapping[str, Any], node: str) -> dict[str, str | None]:
+    """What ties an attestation to one allocation of the claim: the UID of the hold `node`'s agent put on it
+    (one per allocation), and the allocation's `allocationTimestamp` where the scheduler wrote one (1.37 does,
+    with its DRADeviceBindingConditions and DRAResourceClaimDeviceStatus gates on)."""
+    allocation = as_dict(as_dict(claim.get("status")).get("allocation"))
+    reservation = next((uid for holder, uid in agent_reservations(claim) if holder == node), None)
+    return {"reservation": reservation, "allocatedAt": as_str(allocation.get("allocationTimestamp")) or None}
+
+
 def deleted_before_allocation(claim: Mapping[str, Any]) -> bool:
     """A claim being deleted that holds no device and has no record of one: there is nothing to scrub, so its
     finalizer may go without an attestation (no agent would ever attest it). SG007 keeps a claim that held a
@@ -273,8 +305,29 @@ def check_claim_attestation(
     groups = sorted(
         f"{resource} {name} ({uid or 'no UID'})"
         for resource, name, uid in reserved_consumers(claim)
-        if resource != "pods" and (not uid or uid not in attested_pods)
+        if resource != "pods" and not is_agent_reservation(resource) and (not uid or uid not in attested_pods)
     )
     if groups:
         raise AttestationError(f"attestation does not cover the claim's use by {', '.join(groups)}")
+    _check_allocation(payload, claim)
     return payload
+
+
+def _check_allocation(payload: Mapping[str, Any], claim: Mapping[str, Any]) -> None:
+    """The attestation is for the claim's allocation as it stands: the hold its node's agent has on it now (a hold
+    is new with each allocation) and the scheduler's allocationTimestamp, where the claim has them."""
+    if not as_dict(as_dict(claim.get("status")).get("allocation")):
+        return
+    attested = as_dict(payload.get("allocation"))
+    current = allocation_identity(claim, as_str(payload.get("node")))
+    if current["allocatedAt"] and attested.get("allocatedAt") != current["allocatedAt"]:
+        raise AttestationError(
+            f"attestation is for an allocation made at {attested.get('allocatedAt')!r}, not the claim's allocation "
+            f"of {current['allocatedAt']}: the claim was allocated again since its scrub"
+        )
+    held = {uid for _, uid in agent_reservations(claim)}
+    if held and attested.get("reservation") not in held:
+        raise AttestationError(
+            f"attestation is for the hold {attested.get('reservation')!r}, not the node agent's hold on the claim "
+            f"now ({', '.join(sorted(held))}): the claim was allocated again since its scrub"
+        )

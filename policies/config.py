@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from .rules_meta import RULES
 Action = Literal["deny", "warn", "audit", "off"]
 
 DEFAULT_POLICY_PATH = Path(__file__).with_name("default.yaml")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 class PolicyError(ValueError):
@@ -103,12 +105,15 @@ class AttestationKey(_Model):
 class PolicyConfig(_Model):
     api_version: Literal["scrubgate.dev/v1"] = Field("scrubgate.dev/v1", alias="apiVersion")
     kind: Literal["PolicyConfig"] = "PolicyConfig"
+    # Classes always guarded, whatever their selectors prove (globs). A class is guarded anyway unless its selectors
+    # prove it hands out no GPU (policies/scope.py): a name here can only add to that, never take away.
     gpu_device_classes: tuple[str, ...] = Field(
         ("gpu.nvidia.com", "mig.nvidia.com", "*.gpu.nvidia.com"), alias="gpuDeviceClasses"
     )
-    # Classes that are never in scope, whatever gpuDeviceClasses matches: devices no agent scrubs (IMEX channels
-    # of ComputeDomains, a GPU bound to vfio-pci). A guard on them would never be lifted. Exact names: a glob
-    # would also take out of scope every GPU class that happens to match it.
+    # Classes left out of every guard, whose claims never wait on the webhook: devices no agent scrubs (IMEX
+    # channels of ComputeDomains, a GPU bound to vfio-pci), and other vendors' classes. A guard on them would never
+    # be lifted. Each must prove by its selectors that it hands out no `gpu` or `mig` device of a GPU driver (SG009
+    # refuses it otherwise, and the webhook guards its claims). Exact names: a glob could take any class out.
     exclude_device_classes: tuple[str, ...] = Field(
         (
             "compute-domain-daemon.nvidia.com",
@@ -117,7 +122,8 @@ class PolicyConfig(_Model):
             "vfio.gpu.nvidia.com",
         ),
         alias="excludeDeviceClasses",
-        json_schema_extra={"items": {"type": "string", "pattern": r"^[^*?\[]+$"}},  # helm install refuses globs too
+        # DeviceClass names (DNS subdomains): helm install refuses globs too, and the chart writes them into CEL.
+        json_schema_extra={"items": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"}},
     )
     # Drivers whose allocated devices the agent scrubs: a claim holding one is a GPU claim whatever its class.
     gpu_drivers: tuple[str, ...] = Field(("gpu.nvidia.com",), alias="gpuDrivers")
@@ -148,6 +154,9 @@ class PolicyConfig(_Model):
                 "deviceclasses`), since an exclusion takes every class it matches out of the scrub guard, GPU "
                 "classes that happen to match it included"
             )
+        invalid = [name for name in excluded if not _DNS_SUBDOMAIN.fullmatch(name)]
+        if invalid:
+            raise ValueError(f"{', '.join(map(repr, invalid))}: not a DeviceClass name (a DNS subdomain)")
         return excluded
 
     @field_validator("rules")
@@ -173,12 +182,14 @@ class PolicyConfig(_Model):
     def _gpu_class_memo(self) -> dict[str, bool]:
         return {}
 
-    def is_gpu_class(self, device_class: str) -> bool:
+    def names_gpu_class(self, device_class: str) -> bool:
+        """Whether gpuDeviceClasses names the class (a glob). Names only ever add to what is guarded: whether a
+        class may hand out GPUs is decided from its selectors (policies/scope.py)."""
         # Clusters have a handful of device classes: remember each answer instead of matching globs per request.
         memo = self._gpu_class_memo
         known = memo.get(device_class)
         if known is None:
-            known = _matches(device_class, self.gpu_device_classes) and not self.is_excluded_class(device_class)
+            known = _matches(device_class, self.gpu_device_classes)
             if len(memo) < 1024:
                 memo[device_class] = known
         return known
@@ -186,11 +197,8 @@ class PolicyConfig(_Model):
     def is_excluded_class(self, device_class: str) -> bool:
         return device_class in self.exclude_device_classes
 
-    def is_gpu_extended_resource(self, name: str) -> bool:
-        """An extended resource name (KEP-5004) whose claim holds GPUs: one of gpuExtendedResources, or the
-        implicit `deviceclass.resource.kubernetes.io/<class>` of a GPU class."""
-        if name.startswith(names.IMPLICIT_EXTENDED_RESOURCE_PREFIX):
-            return self.is_gpu_class(name[len(names.IMPLICIT_EXTENDED_RESOURCE_PREFIX) :])
+    def names_gpu_extended_resource(self, name: str) -> bool:
+        """Whether gpuExtendedResources names the extended resource (a glob)."""
         return _matches(name, self.gpu_extended_resources)
 
     @cached_property

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from .rules_meta import RULES
 
 Decision = Literal["deny", "warn", "audit"]
+# What a rule returns for each problem: (message, JSON pointer of the field, JSON patch of the fix).
+Violation = tuple[str, str, tuple[dict[str, Any], ...]]
 
 
 @dataclass(frozen=True, slots=True)

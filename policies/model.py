@@ -98,12 +98,16 @@ def is_pod_group(obj: dict[str, Any]) -> bool:
     return kind == "PodGroup" and api_version.startswith(names.SCHEDULING_GROUP + "/")
 
 
+def is_taint_rule(obj: dict[str, Any]) -> bool:
+    api_version, kind = kind_of(obj)
+    return kind == "DeviceTaintRule" and api_version in RESOURCE_API_VERSIONS
+
+
 def fence_key(obj: dict[str, Any]) -> str:
     """The `scrubgate.dev/` taint key a DeviceTaintRule puts on devices: scrubgate's fence. "" for any other
     object, or a rule with another key. DeviceTaintRule is served in v1, v1beta2 and v1alpha3; any
     resource.k8s.io version counts, so that no version can slip past the guard."""
-    api_version, kind = kind_of(obj)
-    if kind != "DeviceTaintRule" or api_version not in RESOURCE_API_VERSIONS:
+    if not is_taint_rule(obj):
         return ""
     key = as_str(as_dict(as_dict(obj.get("spec")).get("taint")).get("key"))
     return key if key.startswith(names.DOMAIN + "/") else ""

@@ -19,6 +19,12 @@ ANNOTATION_FENCE_CLAIM: Final = "scrubgate.dev/claim"  # on a fence: the claim w
 # The user's extra in which the API server names the node a token is bound to (a DaemonSet pod's, since 1.32).
 NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
 TAINT_SCRUB_FAILED: Final = "scrubgate.dev/scrub-failed"
+# The consumer a node agent adds to a GPU claim's `status.reservedFor` once a pod on its node may have used the
+# claim (`{apiGroup: scrubgate.dev, resource: nodeagents, name: <node>, uid: <one per hold>}`), and removes with
+# its attested release. Kubernetes' resourceclaim controller keeps consumers it does not know, so a claim holding
+# one is never deallocated, nor deleted, by anyone else meanwhile: the used claim never looks unused.
+RESERVATION_GROUP: Final = DOMAIN
+RESERVATION_RESOURCE: Final = "nodeagents"
 
 DEALLOCATION_DELETE: Final = "Delete"
 DEALLOCATION_RETAIN: Final = "Retain"

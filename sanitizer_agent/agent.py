@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import deleted_before_allocation, reserved_consumers
+from scrubgate.policies.attestation import claim_consumers, deleted_before_allocation
 
 from . import nvidia, rescrub
 from .checkpoint import DIRTY_STATES, OWED_STATES, CheckpointStore, ClaimRef, FenceReason, State, Teardown
@@ -402,7 +402,7 @@ class Agent:
         pods (a PodGroup, whose pods may all be gone while the claim stays reserved for it): asks the API which
         have ended (a pod terminal or deleted, another consumer deleted)."""
         namespace = (claim.get("metadata") or {}).get("namespace") or ""
-        for resource, name, uid in reserved_consumers(claim):
+        for resource, name, uid in claim_consumers(claim):
             if not uid or uid in self._ended or uid in self._live_pods:
                 continue
             if resource == "pods":
@@ -436,7 +436,7 @@ class Agent:
             return self.store.teardowns[uid]
         with self._lock:
             released = self._released.get(uid)
-        if released is not None and {uid for _, _, uid in reserved_consumers(claim)} <= released[0]:
+        if released is not None and {uid for _, _, uid in claim_consumers(claim)} <= released[0]:
             return None  # torn down for these pods already; a new pod on the claim starts a new teardown
         recorded = dict(recorded_devices(claim))
         keys = allocated_devices(claim)
@@ -513,10 +513,10 @@ class Agent:
             if not self._holds(td, claim):
                 self._allocation_lost(td, claim)
             # What the attestation names as used by: every consumer (a PodGroup too, which SG007 requires).
-            consumers = [(name, uid) for _, name, uid in reserved_consumers(claim)] if claim else []
+            consumers = [(name, uid) for _, name, uid in claim_consumers(claim)] if claim else []
             with self._lock:
                 self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
-            self.engine.release(td, reason, consumers)
+            self.engine.release(td, reason, consumers, claim)
 
     def _holds(self, td: Teardown, claim: dict[str, Any] | None) -> bool:
         return holds_devices(claim, td.claim.uid, [(d.driver, d.pool, d.device) for d in td.devices])

@@ -4,8 +4,9 @@ One JSON file on the node (hostPath), written atomically: a temp file in the sam
 rename over the real one, fsync the directory. A crash leaves either the old or the new file, never a
 mix; a stray temp file is ignored. The file carries a version; the agent reads the versions it knows
 (1 and 2, written when every allocation was fenced from first sight, are carried over: their teardowns
-keep their fences) and refuses any other loudly rather than guess: a misread checkpoint could lift a fence
-on a dirty device.
+keep their fences; 3, written before the agent held its claims, carries over with no hold: a teardown still
+allocated gets one, a later one is attested by its allocation's timestamp and consumers) and refuses any other
+loudly rather than guess: a misread checkpoint could lift a fence on a dirty device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .gpu.base import MigPlacement
 
-VERSION = 3
+VERSION = 4
 DEFAULT_PATH = Path("/var/lib/scrubgate/agent-checkpoint.json")
 
 
@@ -149,6 +150,11 @@ class Teardown(_Model):
     released_at: float | None = None
     release_reason: str | None = None
     consumers: list[tuple[str, str]] = []  # (name, UID) of the pods the claim was reserved for at release
+    # The agent's hold on the claim (a scrubgate.dev/nodeagents consumer in its status.reservedFor): its UID, set
+    # and checkpointed before the hold is written, released after the attestation; and the allocation's
+    # allocationTimestamp. Both go into the attestation, which covers this allocation and no later one.
+    hold: str | None = None
+    allocated_stamp: str | None = None
     drain_deadline: float | None = None
     scrub_started_at: float | None = None
     scrub_finished_at: float | None = None
@@ -169,7 +175,7 @@ class Teardown(_Model):
 
 
 class CheckpointFile(_Model):
-    version: Literal[3]
+    version: Literal[4]
     node: str
     teardowns: dict[str, Teardown] = {}  # by claim UID
 
@@ -239,6 +245,8 @@ def read(path: Path, expect_node: str | None = None) -> CheckpointFile | None:
     version = data.get("version") if isinstance(data, dict) else None
     if version in (1, 2):
         data = _from_version_2(_from_version_1(data) if version == 1 else data)
+    elif version == 3:
+        data = {**data, "version": VERSION}  # no hold yet: the fields default to None
     elif version != VERSION:
         raise CheckpointError(
             f"checkpoint {path} has version {version!r}; this agent reads versions 1 to {VERSION}. Refusing to "
@@ -272,7 +280,7 @@ def _from_version_2(data: dict[str, Any]) -> dict[str, Any]:
     """Version 2 fenced every allocation with DeviceTaintRules from first sight (in weak mode, with the node
     taint once the teardown began), and lifted them before writing the attestation: its `unfenced` (lifted,
     attestation next) is version 3's `attested` with no fence; every earlier state keeps its fences, which go
-    after the attestation is written, as a fenced teardown's do in version 3."""
+    after the attestation is written, as a fenced teardown's do in version 3 (and 4)."""
     teardowns = data.get("teardowns")
     if isinstance(teardowns, dict):
         for teardown in teardowns.values():

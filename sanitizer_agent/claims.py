@@ -197,7 +197,8 @@ def release_reason(claim: dict[str, Any] | None, uid: str, ended: Container[str]
     status = _dict(claim.get("status"))
     if not status.get("allocation"):
         return "allocation cleared"
-    consumers = [_dict(c) for c in _list(status.get("reservedFor"))]
+    # A node agent's hold is no consumer of the devices: it keeps the claim held until the attested release.
+    consumers = [c for c in map(_dict, _list(status.get("reservedFor"))) if not _is_hold(c)]
     if not consumers:
         return "no longer reserved for any pod"
     if all(c.get("uid") in ended for c in consumers):
@@ -225,6 +226,66 @@ def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[
             {"op": "add", "path": "/metadata/annotations", "value": dict(updates)},
         ]
     return ops
+
+
+def _is_hold(entry: dict[str, Any], node: str | None = None) -> bool:
+    """Whether a `status.reservedFor` entry is a node agent's hold (of `node`'s agent, where given)."""
+    return (
+        entry.get("apiGroup") == names.RESERVATION_GROUP
+        and entry.get("resource") == names.RESERVATION_RESOURCE
+        and node in (None, entry.get("name"))
+    )
+
+
+def hold_entry(node: str, uid: str) -> dict[str, str]:
+    """A node agent's hold on a claim, as a `status.reservedFor` consumer."""
+    return {"apiGroup": names.RESERVATION_GROUP, "resource": names.RESERVATION_RESOURCE, "name": node, "uid": uid}
+
+
+def node_hold(claim: dict[str, Any], node: str) -> str | None:
+    """The UID of `node`'s agent's hold on the claim, if it has one."""
+    for entry in map(_dict, _list(_dict(claim.get("status")).get("reservedFor"))):
+        if _is_hold(entry, node) and isinstance(entry.get("uid"), str):
+            return entry["uid"]
+    return None
+
+
+def hold_ops(claim: dict[str, Any], node: str, uid: str) -> list[dict[str, Any]] | None:
+    """JSON patch of the claim's status adding `node`'s hold, guarded by the claim's UID and, while the claim is
+    reserved for nobody, its resourceVersion (no consumer of a concurrent writer lost); None when it has it, or
+    the claim cannot take it (not allocated: nothing to hold; being deleted: the API server refuses new
+    consumers then)."""
+    meta, status = _meta(claim), _dict(claim.get("status"))
+    if node_hold(claim, node) is not None or not status.get("allocation") or meta.get("deletionTimestamp"):
+        return None
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
+    entry = hold_entry(node, uid)
+    if isinstance(status.get("reservedFor"), list):
+        return [*ops, {"op": "add", "path": "/status/reservedFor/-", "value": entry}]
+    return [
+        *ops,
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "add", "path": "/status/reservedFor", "value": [entry]},
+    ]
+
+
+def hold_release_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
+    """JSON patch of the claim's status removing `node`'s hold (tested in place); None when it has none."""
+    for index, entry in enumerate(_list(_dict(claim.get("status")).get("reservedFor"))):
+        if _is_hold(_dict(entry), node):
+            path = f"/status/reservedFor/{index}"
+            return [
+                {"op": "test", "path": "/metadata/uid", "value": _meta(claim).get("uid")},
+                {"op": "test", "path": path, "value": entry},
+                {"op": "remove", "path": path},
+            ]
+    return None
+
+
+def allocation_stamp(claim: dict[str, Any]) -> str | None:
+    """The allocation's `allocationTimestamp` (the scheduler writes it in 1.37 with its binding-condition gates)."""
+    stamp = _dict(_dict(claim.get("status")).get("allocation")).get("allocationTimestamp")
+    return stamp if isinstance(stamp, str) and stamp else None
 
 
 def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> list[dict[str, Any]] | None:

@@ -74,6 +74,10 @@ class ClusterClient(Protocol):
         """Applies a JSON patch (RFC 6902) to the claim's metadata; Conflict when a `test` op fails."""
         ...
 
+    def patch_claim_status(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """JSON patch of the claim's status subresource (the agent's hold: status.reservedFor)."""
+        ...
+
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod, or None when it does not exist."""
         ...
@@ -324,6 +328,10 @@ class KubernetesClusterClient:
         return self._call(
             "PATCH", self._claims_path(namespace, name), body=ops, content_type="application/json-patch+json"
         )
+
+    def patch_claim_status(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        path = f"{self._claims_path(namespace, name)}/status"
+        return self._call("PATCH", path, body=ops, content_type="application/json-patch+json")
 
     def list_node_slices(self, node: str) -> list[dict[str, Any]]:
         version = self._served_version("resourceslices", CLAIM_VERSIONS)

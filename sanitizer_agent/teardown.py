@@ -30,6 +30,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -63,11 +64,15 @@ from .checkpoint import (
 from .claims import (
     DeviceKey,
     SliceDevice,
+    allocation_stamp,
     annotation_ops,
     devices_annotation,
     finalizer_removal_ops,
+    hold_ops,
+    hold_release_ops,
     key_str,
     node_event,
+    node_hold,
     overlapping,
 )
 from .fences import Fencer, label_value, rule_name
@@ -222,6 +227,7 @@ class TeardownEngine:
         # allocation found gone) must not go up after its teardown's lane has lifted the others.
         self._fence_lock = threading.Lock()
         self._status: dict[str, str] = {}  # claim UID -> scrub-status annotation written
+        self._held: set[str] = set()  # claim UIDs whose hold this process has made sure of
         self._claims: dict[str, dict[str, Any]] = {}  # claim UID -> the claim as our last write left it
         self._unwritten: set[str] = set()  # claim UIDs whose state the checkpoint does not have yet
         self._stuck: dict[str, str] = {}  # claim UID -> what of its teardown is stuck in the driver, and since when
@@ -270,6 +276,9 @@ class TeardownEngine:
             source=source,
             allocated_at=allocated_at,
             seen_at=self.clock(),
+            # A hold the claim carries already (a restart that lost its checkpoint) is adopted.
+            hold=(node_hold(seen, self.node) if seen is not None else None) or str(uuid.uuid4()),
+            allocated_stamp=allocation_stamp(seen) if seen is not None else None,
         )
         with self.store.lock:
             self.store.teardowns[claim.uid] = td
@@ -327,14 +336,27 @@ class TeardownEngine:
             self.ensure_fenced(td)
             return decided
 
-    def release(self, td: Teardown, reason: str, consumers: list[tuple[str, str]] | None = None) -> None:
+    def release(
+        self,
+        td: Teardown,
+        reason: str,
+        consumers: list[tuple[str, str]] | None = None,
+        claim: dict[str, Any] | None = None,
+    ) -> None:
         """The claim no longer holds its devices; `consumers` are the pods it was reserved for (the attestation
-        names them: its scrub is for what they left)."""
+        names them: its scrub is for what they left). `claim`, as read: the hold it carries is the one the
+        attestation names (a teardown of an older checkpoint learns it here)."""
         if td.state != State.ALLOCATED:
             return
         log.info("claim %s released (%s); tearing down %s", td.claim, reason, ", ".join(d.key for d in td.devices))
+        hold = (node_hold(claim, self.node) if claim is not None else None) or td.hold
         self._transition(
-            td, State.RELEASED, released_at=self.clock(), release_reason=reason, consumers=list(consumers or [])
+            td,
+            State.RELEASED,
+            released_at=self.clock(),
+            release_reason=reason,
+            consumers=list(consumers or []),
+            hold=hold,
         )
         self.ensure_fenced(td)  # weak mode: a fence its allocation needs waited for the release
         self.schedule(td)
@@ -374,7 +396,8 @@ class TeardownEngine:
         uid = td.claim.uid
         if td.state == State.ALLOCATED:
             record_due = self.record_due(td)
-            return (td.fenced is None or uid in self._fenced) and (record_due is None or record_due > 0)
+            fenced = td.fenced is None or uid in self._fenced
+            return fenced and uid in self._held and (record_due is None or record_due > 0)
         if td.state == State.FAILED:
             return td.failure_reported and (td.retry_at is None or self.clock() < td.retry_at)
         return False
@@ -482,6 +505,7 @@ class TeardownEngine:
             del self.store.teardowns[td.claim.uid]
         self._unwritten.discard(td.claim.uid)
         self._fenced.discard(td.claim.uid)
+        self._held.discard(td.claim.uid)
         self._status.pop(td.claim.uid, None)
         self._claims.pop(td.claim.uid, None)
         self.store.save()
@@ -520,6 +544,81 @@ class TeardownEngine:
             # Fenced by `_on_failed`, before the claim says `failed:`, which lets break-glass deallocate it.
             "fenced": td.fenced or FenceReason.FAILED,
         }
+
+    # ---------------------------------------------------------------- the hold
+
+    def _ensure_hold(self, td: Teardown) -> None:
+        """Holds the claim for this teardown: a `scrubgate.dev/nodeagents` consumer in its status.reservedFor, its
+        UID checkpointed (at first sight) before it is written. Kubernetes' resourceclaim controller keeps consumers it does not
+        know, so until the hold goes with the attested release it neither deallocates nor deletes the claim (no
+        refused attempt, no retry), and the scheduler never takes the used claim for an unused one. Once per process;
+        a hold the claim already carries (a restart) is adopted."""
+        uid = td.claim.uid
+        if uid in self._held or not td.claim.name:
+            return
+        claim = self._claims.get(uid) or self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+            return  # gone: the release check sees it
+        held = node_hold(claim, self.node)
+        if held is None and td.hold is None:  # a teardown of an older checkpoint
+            with self.store.lock:
+                td.hold = str(uuid.uuid4())
+            self._save()  # before the side effect: a restart adopts or rewrites this one
+        elif held is not None and held != td.hold:
+            with self.store.lock:
+                td.hold = held
+            self._save()
+        ops = hold_ops(claim, self.node, td.hold or "")
+        if ops is not None:
+            try:
+                self._claims[uid] = self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
+            except NotFound:
+                return
+            log.info("claim %s: held by node %s's agent until its attested release", td.claim, self.node)
+        elif held is None:
+            # Being deleted (the API server takes no new consumer then) or no longer allocated: SG007 keeps its
+            # allocation until the attestation all the same; the resourceclaim controller retries meanwhile.
+            log.warning(
+                "claim %s: cannot be held (%s); SG007 keeps its allocation until the attestation",
+                td.claim,
+                "being deleted" if (claim.get("metadata") or {}).get("deletionTimestamp") else "not allocated",
+            )
+        self._held.add(uid)
+
+    def release_hold(self, td: Teardown) -> None:
+        """Takes this node's hold off the claim, after its attestation is on it (SG007 lets nothing else release
+        it); the resourceclaim controller then deallocates the claim, and deletes it where it was a pod's. A claim
+        a later pod uses (a shared claim) keeps it: that use is not attested, and the agent's next teardown of the
+        claim adopts the hold."""
+        if not td.claim.name:
+            return
+        # The copy the attestation's write returned first (the patch's tests catch a stale one), then a fresh read.
+        for cached in (self._claims.pop(td.claim.uid, None), None):
+            claim = cached or self.cluster.get_claim(td.claim.namespace, td.claim.name)
+            if claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid:
+                return
+            ops = hold_release_ops(claim, self.node)
+            if ops is None:
+                return
+            try:
+                self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
+                return
+            except NotFound:
+                return
+            except Conflict:
+                continue
+            except ClusterError as exc:
+                if exc.status != 403:
+                    raise
+                log.warning(
+                    "claim %s: admission kept node %s's hold on it (%s): a later use of the claim is not covered by "
+                    "this attestation; the hold stays for the teardown of that use",
+                    td.claim,
+                    self.node,
+                    exc,
+                )
+                return
+        raise Conflict(f"claim {td.claim} kept changing while the agent released its hold; will retry", 409)
 
     # ---------------------------------------------------------------- claim writes
 
@@ -632,6 +731,8 @@ class TeardownEngine:
     # ---------------------------------------------------------------- the steps: side effect, then what next
 
     def _on_allocated(self, td: Teardown) -> Outcome:
+        # The hold first, at once: a pod on this node may use the claim from now on.
+        self._ensure_hold(td)
         # The record of its devices, which SG007 reads once the allocation is gone, and `fenced`: kept from
         # other claims (by the allocation, or where it cannot, by fences). Once the allocation has lasted a while.
         record_due = self.record_due(td)
@@ -759,6 +860,7 @@ class TeardownEngine:
             finished_at=_when(td.scrub_finished_at),
             health=td.health or {},
             consumers=td.consumers,
+            allocation={"reservation": td.hold, "allocatedAt": td.allocated_stamp},
         )
         return State.ATTESTED, {"attestation": self.signer.sign(payload)}
 
@@ -788,6 +890,7 @@ class TeardownEngine:
                 self.fencer.lift(td, list(self.store.teardowns.values()))
                 log.info("claim %s: fences of %s lifted", td.claim, ", ".join(d.key for d in td.fence_targets()))
         self._remove_finalizer(td)
+        self.release_hold(td)
         self._forget(td)
         return None
 
@@ -866,9 +969,10 @@ class TeardownEngine:
                 return
             ops = finalizer_removal_ops(claim, td.attestation)
             if ops is None:
+                self._claims[td.claim.uid] = claim  # for the hold's release, next
                 return
             try:
-                self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
+                self._claims[td.claim.uid] = self.cluster.patch_claim(td.claim.namespace, td.claim.name, ops)
                 return
             except NotFound:
                 return

@@ -22,7 +22,9 @@ from scrubgate.policies.attestation import (
     public_key_pem,
 )
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.rules import Requester, deallocation_guard
+from scrubgate.policies.release_guard import deallocation_guard
+from scrubgate.policies.requester import Requester
+from scrubgate.policies.scope import Scope
 from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, State, Teardown
 from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
@@ -351,7 +353,7 @@ def sg007(signer: Signer) -> Callable[[dict[str, Any]], bool]:
 
     def allowed(claim: dict[str, Any]) -> bool:
         cleared = {**claim, "status": {}}
-        return not deallocation_guard(cleared, claim, CLAIM_CONTROLLER, policy)[0]
+        return not deallocation_guard(cleared, claim, CLAIM_CONTROLLER, Scope(policy))[0]
 
     return allowed
 

@@ -141,6 +141,27 @@ class InMemoryCluster:
             self._settle_claim(namespace, name)
             return copy.deepcopy(patched)
 
+    def patch_claim_status(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """As the API server's status subresource: only status changes; a consumer added to a claim being deleted
+        is refused (validateResourceClaimStatusUpdate)."""
+        self._call("patch_claim_status", namespace, name, ops)
+        with self._lock:
+            claim = self.claims.get((namespace, name))
+            if claim is None:
+                raise NotFound(f"PATCH resourceclaim {namespace}/{name}/status: HTTP 404", 404)
+            patched = self._patch(claim, ops, f"resourceclaim {namespace}/{name}/status")
+            before = claim.get("status", {}).get("reservedFor") or []
+            added = [c for c in patched.get("status", {}).get("reservedFor") or [] if c not in before]
+            if added and claim["metadata"].get("deletionTimestamp"):
+                raise Conflict(
+                    f"PATCH resourceclaim {namespace}/{name}/status: HTTP 422: reservedFor: new entries", 422
+                )
+            stored = {**claim, "status": patched.get("status", {})}
+            self._bump(stored)
+            self.claims[(namespace, name)] = stored
+            self._settle_claim(namespace, name)
+            return copy.deepcopy(stored)
+
     def _settle_claim(self, namespace: str, name: str) -> None:
         """After a change of the claim: the controller's deallocation retried, and a deleted claim that holds
         no finalizer any more goes."""
@@ -350,13 +371,24 @@ class InMemoryCluster:
             return copy.deepcopy(pod)
 
     def deallocate(self, namespace: str, name: str, *, bypass: bool = False) -> bool:
-        """What kube-controller-manager does once a claim is reserved for nobody: clear the allocation, where
-        the `guard` lets it (else it is retried at the claim's next change); `bypass`: the guard is not asked (a
-        webhook bypassed or uninstalled). Returns whether the allocation went."""
+        """What kube-controller-manager's resourceclaim controller does once a claim's pods have ended
+        (pkg/controller/resourceclaim/controller.go, syncClaim): drop them from its reservation, keeping consumers
+        it does not know (a node agent's hold), and clear the allocation only once nobody is left, where the
+        `guard` lets it (else it is retried at the claim's next change); `bypass`: the guard is not asked (a
+        webhook bypassed or uninstalled, whoever clears the allocation then clears every consumer with it).
+        Returns whether the allocation went."""
         with self._lock:
             key = (namespace, name)
             claim = self.claims[key]
-            allocated = claim.get("status", {}).get("allocation")
+            status = claim.setdefault("status", {})
+            kept = [c for c in status.get("reservedFor") or [] if c.get("resource") != "pods" or c.get("apiGroup")]
+            if kept and not bypass:
+                self._deallocating.add(key)  # synced again at the claim's next change: the hold's release
+                if kept != status.get("reservedFor"):
+                    status["reservedFor"] = kept
+                    self._bump(claim)
+                return False
+            allocated = status.get("allocation")
             if not bypass and self.guard is not None and allocated and not self.guard(copy.deepcopy(claim)):
                 self.refused_deallocations += 1
                 self._deallocating.add(key)

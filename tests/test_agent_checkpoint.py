@@ -78,7 +78,7 @@ def test_torn_temp_file_never_corrupts_the_real_one(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"version": 4, "node": "n1", "teardowns": {}}', "version 4; this agent reads versions 1 to 3"),
+        ('{"version": 5, "node": "n1", "teardowns": {}}', "version 5; this agent reads versions 1 to 4"),
         ('{"node": "n1"}', "version None"),
         ("{not json", "is not JSON"),
         ('{"version": 1, "node": "n1", "teardowns": {"u": {"state": "sideways"}}}', "damaged"),
@@ -142,7 +142,7 @@ def test_a_version_1_checkpoint_resumes_with_its_fences_lifted(tmp_path):
     claim = node.cluster.claims[("team-a", "job")]
     assert names.ANNOTATION_ATTESTATION in claim["metadata"]["annotations"]
     assert names.FINALIZER not in claim["metadata"]["finalizers"]
-    assert json.loads(node.checkpoint.read_text())["version"] == 3
+    assert json.loads(node.checkpoint.read_text())["version"] == 4
 
 
 def as_older_version(node, version: int, **changes: str) -> dict:
@@ -150,7 +150,7 @@ def as_older_version(node, version: int, **changes: str) -> dict:
     data = json.loads(node.checkpoint.read_text())
     (teardown,) = data["teardowns"].values()
     data["version"] = version
-    for field in ("fenced", "not_held", "seen_at"):  # not in versions 1 and 2
+    for field in ("fenced", "not_held", "seen_at", "hold", "allocated_stamp"):  # not in versions 1 and 2
         del teardown[field]
     teardown.update(changes)
     node.checkpoint.write_text(json.dumps(data))

@@ -48,7 +48,7 @@ def keys(key):
     return {KID: load_public_key(public_key_pem(key))}
 
 
-def payload(uid="uid-1", devices=(DEVICE,), verified=True, consumers=()) -> dict:
+def payload(uid="uid-1", devices=(DEVICE,), verified=True, consumers=(), allocation=None) -> dict:
     start = datetime(2025, 6, 1, 14, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
     return build_payload(
         namespace="team-a",
@@ -63,6 +63,7 @@ def payload(uid="uid-1", devices=(DEVICE,), verified=True, consumers=()) -> dict
         finished_at=start + timedelta(seconds=42),
         health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
         consumers=consumers,
+        allocation=allocation,
     )
 
 
@@ -91,8 +92,10 @@ def test_token_is_a_compact_jws_with_the_design_header(key, keys):
 def test_payload_has_the_design_shape():
     p = payload()
     # DESIGN's fields, and the pods the claim was released by (empty here).
-    assert set(p) == {"v", "claim", "node", "devices", "consumers", "startedAt", "finishedAt", "health"}
+    # DESIGN's fields, the pods the claim was released by, and the allocation it attests.
+    assert set(p) == {"v", "claim", "node", "devices", "consumers", "allocation", "startedAt", "finishedAt", "health"}
     assert p["consumers"] == []
+    assert p["allocation"] == {"reservation": None, "allocatedAt": None}
     assert p["v"] == 1 and p["claim"] == {"namespace": "team-a", "name": "c", "uid": "uid-1"}
     assert p["startedAt"] == "2025-06-01T12:00:00.123Z"
     assert p["finishedAt"] == "2025-06-01T12:00:42.123Z"

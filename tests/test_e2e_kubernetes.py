@@ -105,14 +105,21 @@ def test_pods_of_a_deleted_node_are_collected_and_their_devices_still_scrubbed(c
     cluster.request("DELETE", f"/api/v1/nodes/{cluster.node}")
     # kube-controller-manager's pod GC looks for orphaned pods every 20 s and quarantines them 40 s first.
     wait_for(lambda: cluster.pod(ns, "trainer") is None, WAIT_S * 4, f"the pod GC deleting {ns}/trainer")
-    # No agent: the resourceclaim controller's deallocation is refused, the device stays allocated.
-    wait_for(
-        lambda: cluster.audit_denials("SG007", namespace=ns, name=claim["metadata"]["name"], subResource="status"),
+    # No agent: the resourceclaim controller drops the ended pod and, the agent's hold being a consumer it keeps,
+    # leaves the allocation alone: the device stays allocated, and nothing was refused (no retry, no backoff).
+    name = claim["metadata"]["name"]
+    held = wait_for(
+        lambda: (
+            (c := cluster.claim(ns, name))
+            and not [r for r in c["status"].get("reservedFor") or [] if r["resource"] == "pods"]
+            and c
+        ),
         WAIT_S,
-        "the refused deallocation",
+        "the controller dropping the ended pod from the reservation",
     )
-    held = cluster.claim(ns, claim["metadata"]["name"])
-    assert held is not None and (held.get("status") or {}).get("allocation"), "deallocated without a scrub"
+    assert held["status"].get("allocation"), "deallocated without a scrub"
+    assert [r["resource"] for r in held["status"]["reservedFor"]] == [names.RESERVATION_RESOURCE]
+    assert not cluster.audit_denials("SG007", namespace=ns, name=name, subResource="status")
     assert CANARY.encode() in cluster.gpu_memory(uuid)
     cluster.node_process.start()  # the node comes back and registers again
     cluster.agent.start()

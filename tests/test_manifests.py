@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,7 +201,7 @@ def test_cluster_scoped_webhook(docs: list[Doc]):
     assert hook["name"] == "validate-fences.scrubgate.dev"
     assert hook["clientConfig"]["service"]["path"] == "/validate"
     assert covered(hook) == {
-        *((names.RESOURCE_GROUP, "*", "devicetaintrules", op) for op in ("UPDATE", "DELETE")),
+        *((names.RESOURCE_GROUP, "*", "devicetaintrules", op) for op in ("CREATE", "UPDATE", "DELETE")),
         *((names.RESOURCE_GROUP, "*", "deviceclasses", op) for op in ("CREATE", "UPDATE")),  # every DRA version
         *(("", "v1", "namespaces", op) for op in ("CREATE", "UPDATE")),
         ("", "v1", "namespaces/status", "UPDATE"),
@@ -262,10 +261,15 @@ def admission(
     *,
     subresource: str = "",
     options: Doc | None = None,
+    user: str = "alice",
 ) -> Doc:
     """The CEL variables of a request, as the API server builds them: an empty subResource is left out (its
     JSON field is omitempty), `options` is the operation's options object."""
-    request: Doc = {"operation": operation, "resource": {"group": group, "version": "v1", "resource": resource}}
+    request: Doc = {
+        "operation": operation,
+        "resource": {"group": group, "version": "v1", "resource": resource},
+        "userInfo": {"username": user},
+    }
     if subresource:
         request["subResource"] = subresource
     if options is not None:
@@ -286,6 +290,7 @@ def reaches_webhook(cel_env: Any, hook: Doc, data: Doc) -> bool:
 
 
 CLAIM = {"metadata": {"name": "c", "finalizers": [names.FINALIZER]}, "spec": {"devices": {"requests": []}}}
+AGENT_USER = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
 
 
 def taint_rule(key: str) -> Doc:
@@ -354,8 +359,9 @@ def pod_deletes() -> Iterator[tuple[str, Doc, bool]]:
 
 
 def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
-    """A claim's status write reaches the webhook only when it clears or changes an allocation, or reserves the
-    claim for a consumer that is not a pod."""
+    """A claim's status write reaches the webhook only when it clears or changes an allocation, when a consumer
+    leaves a claim no node agent holds or the agent's hold leaves it, or when a consumer that is not a pod is
+    added (an agent's hold, a PodGroup)."""
     pending = {**CLAIM, "status": {}}
     pod_ref = {"resource": "pods", "name": "p", "uid": "u"}
     allocation = {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n", "device": "g"}]}}
@@ -369,10 +375,18 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
             "reservedFor": [{**pod_ref, "apiGroup": "scheduling.k8s.io", "resource": "podgroups"}],
         },
     }
+    hold = {"apiGroup": "scrubgate.dev", "resource": "nodeagents", "name": "n", "uid": "h"}
+    held = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [pod_ref, hold]}}
+    held_only = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [hold]}}
+    another_pod = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [hold, {**pod_ref, "uid": "v"}]}}
     writes = [
         ("the scheduler's allocation in PreBind", pending, allocated, False),
         ("a driver's status.devices", allocated, with_devices, False),
-        ("the controller dropping a pod from reservedFor", allocated, released, False),
+        ("the controller dropping a pod from a claim no agent holds", allocated, released, True),
+        ("the agent adding its hold", allocated, held, True),
+        ("the controller dropping a pod from a held claim", held, held_only, False),
+        ("the scheduler reserving a held claim for another pod", held_only, another_pod, False),
+        ("the agent releasing its hold", held_only, released, True),
         ("the controller's deallocation", released, pending, True),
         ("a deallocation that drops the whole status", released, {**CLAIM}, True),
         ("a reservation for a PodGroup", released, group, True),
@@ -400,8 +414,24 @@ def claim_writes() -> Iterator[tuple[str, Doc, bool]]:
                                              {"name": "m", "deviceClassName": "mig-1g.gpu.nvidia.com"}]},
             True,
         ),
-        ("a NIC", {"name": "n", "exactly": {"deviceClassName": "nic.example.com"}}, False),
-        ("a name like a GPU class's", {"name": "n", "exactly": {"deviceClassName": "gpu.nvidia.com.evil"}}, False),
+        ("a NIC the policy does not exclude", {"name": "n", "exactly": {"deviceClassName": "nic.example.com"}}, True),
+        ("an excluded class", {"name": "n", "exactly": {"deviceClassName": "imex.nvidia.com"}}, False),
+        ("an excluded class, v1beta1", {"name": "n", "deviceClassName": "vfio.gpu.nvidia.com"}, False),
+        (
+            "an excluded class with admin access",
+            {"name": "n", "exactly": {"deviceClassName": "imex.nvidia.com", "adminAccess": True}},
+            True,
+        ),
+        (
+            "an excluded class tolerating a taint",
+            {"name": "n", "deviceClassName": "imex.nvidia.com", "tolerations": [{"operator": "Exists"}]},
+            True,
+        ),
+        (
+            "excluded alternatives only",
+            {"name": "g", "firstAvailable": [{"name": "a", "deviceClassName": "imex.nvidia.com"}]},
+            False,
+        ),
     ]  # fmt: skip
     for name, request, expected in shapes:
         for resource, template in (("resourceclaims", False), ("resourceclaimtemplates", True)):
@@ -489,6 +519,8 @@ def node_updates() -> Iterator[tuple[str, Doc, bool]]:
         ("no taints at all", node(), node(team="a"), False),
     ]:
         yield f"nodes UPDATE: {name}", admission("", "nodes", "UPDATE", new, old), expected
+        # The agent's every Node write: its own Node, its own taints only.
+        yield f"nodes UPDATE by the agent: {name}", admission("", "nodes", "UPDATE", new, old, user=AGENT_USER), True
 
 
 def namespace_writes() -> Iterator[tuple[str, Doc, bool]]:
@@ -574,7 +606,7 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
     yield from claim_writes()
     yield from claim_updates()
     yield from claim_status_writes()
-    # A DeviceTaintRule only when it is scrubgate's fence; on DELETE `object` is null.
+    # A DeviceTaintRule when it is scrubgate's fence, or the agent writes it; on DELETE `object` is null.
     for key, expected in ((names.TAINT_UNSANITIZED, True), (names.TAINT_SCRUB_FAILED, True), ("example.com/x", False)):
         rule = taint_rule(key)
         for op, obj in (("UPDATE", rule), ("DELETE", None)):
@@ -583,6 +615,10 @@ def cases() -> Iterator[tuple[str, Doc, bool]]:
                 admission(names.RESOURCE_GROUP, "devicetaintrules", op, obj, rule),
                 expected,
             )
+        data = admission(names.RESOURCE_GROUP, "devicetaintrules", "CREATE", rule, None)
+        yield f"devicetaintrules CREATE {key} by anyone", data, False
+        data = admission(names.RESOURCE_GROUP, "devicetaintrules", "CREATE", rule, None, user=AGENT_USER)
+        yield f"devicetaintrules CREATE {key} by the agent", data, True
     yield from namespace_writes()
     yield from node_updates()
     device_class = {"metadata": {"name": "h100"}, "spec": {"selectors": []}}
@@ -605,19 +641,17 @@ def test_match_conditions(cel_env: Any, docs: list[Doc], name: str, data: Doc, e
             assert reaches_webhook(cel_env, hook, data) is expected, f"{hook['name']}: {name}"
 
 
-def test_the_claim_condition_matches_the_policys_gpu_classes(docs: list[Doc]):
-    """The kustomize base writes the default policy's gpuDeviceClasses (fnmatch globs) as RE2 patterns; the
-    mutating webhook carries the same condition text as the validating ones."""
+def test_the_claim_condition_names_the_policys_excluded_classes(docs: list[Doc]):
+    """The kustomize base writes the default policy's excludeDeviceClasses into the claim condition (the chart
+    writes the policy's); the mutating webhook carries the same condition text as the validating ones."""
     conditions = {
         c["name"]: c["expression"] for c in by_name(docs)["validate-multi-tenant.scrubgate.dev"]["matchConditions"]
     }
     mutating = {c["name"]: c["expression"] for c in by_name(docs)["mutate.scrubgate.dev"]["matchConditions"]}
-    assert mutating["claim-requests-a-gpu-class"] == conditions["claim-requests-a-gpu-class"]
-    default = load_policy(None).gpu_device_classes
-    written = (
-        "[" + ", ".join("r'^" + re.escape(g).replace("\\*", ".*").replace("\\?", ".") + "$'" for g in default) + "]"
-    )
-    assert written in conditions["claim-requests-a-gpu-class"], written
+    name = "claim-may-hold-a-gpu-or-asks-for-access"
+    assert mutating[name] == conditions[name]
+    written = "[" + ", ".join(f"'{c}'" for c in load_policy(None).exclude_device_classes) + "]"
+    assert conditions[name].count(written) == 3, written
 
 
 def mutations() -> Iterator[tuple[str, Doc, bool]]:
@@ -660,7 +694,7 @@ def test_webhook_deployment(docs: list[Doc]):
     assert spec["replicas"] >= 2
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert pod["serviceAccountName"] == names.WEBHOOK_SERVICE_ACCOUNT
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is True  # its DeviceClass watch
     anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
@@ -799,6 +833,8 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
     expected = {
         *(("", "pods", v) for v in ("get", "list", "watch")),
         *((dra, "resourceclaims", v) for v in ("get", "list", "patch", "update")),
+        # its hold on a claim (status.reservedFor), which 1.36+ also authorizes on resourceclaims/binding
+        *((dra, sub, v) for sub in ("resourceclaims/status", "resourceclaims/binding") for v in ("patch", "update")),
         *((dra, "resourceslices", v) for v in ("get", "list", "watch")),
         *((dra, "devicetaintrules", v) for v in ("create", "delete", "get", "list")),
         ("", "nodes", "get"),
@@ -815,12 +851,18 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
     ]
 
 
-def test_webhook_has_no_api_access(docs: list[Doc]):
-    for doc in docs:
-        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
-            assert all(s["name"] != names.WEBHOOK_SERVICE_ACCOUNT for s in doc["subjects"])
+def test_the_webhook_reads_device_classes_and_nothing_else(docs: list[Doc]):
+    bound = [
+        doc["roleRef"]["name"]
+        for doc in docs
+        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and any(s["name"] == names.WEBHOOK_SERVICE_ACCOUNT for s in doc["subjects"])
+    ]
+    assert bound == ["scrubgate-webhook"]
+    expected = {(names.RESOURCE_GROUP, "deviceclasses", v) for v in ("get", "list", "watch")}
+    assert grants(one(docs, "ClusterRole", "scrubgate-webhook")) == expected
     account = one(docs, "ServiceAccount", names.WEBHOOK_SERVICE_ACCOUNT)
-    assert account["automountServiceAccountToken"] is False
+    assert account["automountServiceAccountToken"] is True
 
 
 # --- TLS: certs inject and the cert-manager component ---------------------------------------------------

@@ -128,7 +128,7 @@ def test_an_agent_acts_only_on_its_own_nodes_claims(key, keyed_policy):
     assert finding.action == "deny" and "the agent of node 'node-b' acted on claim" in finding.message
     assert "of node node-a" in finding.message
     (finding,) = update(released(old, attestation(key, node="node-b")), old, keyed_policy)
-    assert "with an attestation of node 'node-b' submitted by the agent of node 'node-a'" in finding.message
+    assert "with an attestation of node 'node-b' for a claim allocated on node node-a" in finding.message
     failed = copy.deepcopy(old)
     failed["metadata"]["annotations"][names.ANNOTATION_SCRUB_STATUS] = "failed:scrub"
     assert verdict(update(failed, old, keyed_policy, node="node-b")) == [("SG007", "deny")], "a status too"
@@ -139,7 +139,10 @@ def test_an_agent_whose_credentials_name_no_node_is_refused_unless_binding_is_of
     (finding,) = update(released(old, attestation(key)), old, keyed_policy, node="")
     assert "the agent's credentials name no node" in finding.message and "nodeBinding: false" in finding.message
     unbound = keyed_policy.model_copy(update={"agent": keyed_policy.agent.model_copy(update={"node_binding": False})})
-    assert update(released(old, attestation(key, node="anywhere")), old, unbound, node="") == []
+    assert update(released(old, attestation(key, node="node-a")), old, unbound, node="") == []
+    # Whatever the binding, the attestation is of the node the claim's devices are on.
+    (finding,) = update(released(old, attestation(key, node="anywhere")), old, unbound, node="")
+    assert "with an attestation of node 'anywhere' for a claim allocated on node node-a" in finding.message
 
 
 GiB = 1 << 30

@@ -10,6 +10,8 @@ from scrubgate.policies import names
 from scrubgate.policies.attestation import public_key_pem
 from scrubgate.policies.config import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
 from scrubgate.policies.rules_meta import RULES
+from scrubgate.policies.scope import Scope
+from scrubgate.policies.selectors import DeviceClasses
 
 
 def test_default_policy_loads_with_the_documented_values():
@@ -61,30 +63,53 @@ def test_rule_table_matches_the_design():
     assert all(rule.summary and rule.help for rule in RULES.values())
 
 
+NVIDIA_CLASSES = [
+    {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": expression}}]},
+    }
+    for name, expression in [
+        ("gpu.nvidia.com", "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"),
+        ("mig.nvidia.com", "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"),
+        (
+            "vfio.gpu.nvidia.com",
+            "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'vfio'",
+        ),
+        ("compute-domain-daemon.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
+        ("compute-domain-default-channel.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
+    ]
+]
+
+
 @pytest.mark.parametrize(
     ("device_class", "in_scope"),
     [
         ("gpu.nvidia.com", True),
         ("mig.nvidia.com", True),
-        ("mig-1g-12gb.gpu.nvidia.com", True),
+        ("mig-1g-12gb.gpu.nvidia.com", True),  # not among the known classes: guarded
         ("compute-domain-default-channel.nvidia.com", False),
         ("compute-domain-daemon.nvidia.com", False),
         ("vfio.gpu.nvidia.com", False),
-        ("h100-80gb", False),
+        ("h100-80gb", True),
     ],
 )
-def test_default_gpu_classes_leave_out_what_no_agent_scrubs(device_class, in_scope):
-    assert load_policy().is_gpu_class(device_class) is in_scope
+def test_the_default_policy_leaves_out_only_what_no_agent_scrubs(device_class, in_scope):
+    scope = Scope(load_policy(), DeviceClasses.of(NVIDIA_CLASSES, ["gpu.nvidia.com"]))
+    assert scope.is_gpu_class(device_class) is in_scope
 
 
-def test_excluded_classes_win_over_a_glob_that_matches_them():
+def test_an_excluded_class_is_left_out_only_when_its_selectors_agree():
+    """An excluded name that is not known, or whose selectors do not prove it hands out no GPU memory, is guarded;
+    gpuDeviceClasses can add to the guard, never take from it."""
     policy = parse_policy({"gpuDeviceClasses": ["*.nvidia.com"]})
-    assert policy.is_gpu_class("gpu.nvidia.com") and policy.is_gpu_class("h100.nvidia.com")
-    assert not policy.is_gpu_class("compute-domain-daemon.nvidia.com")
-    assert not policy.is_gpu_class("vfio.gpu.nvidia.com")
-    assert parse_policy({"gpuDeviceClasses": ["*.nvidia.com"], "excludeDeviceClasses": []}).is_gpu_class(
-        "vfio.gpu.nvidia.com"
-    )
+    assert Scope(policy).is_gpu_class("vfio.gpu.nvidia.com")
+    known = DeviceClasses.of(NVIDIA_CLASSES, ["gpu.nvidia.com"])
+    assert not Scope(policy, known).is_gpu_class("vfio.gpu.nvidia.com")
+    assert Scope(parse_policy({"excludeDeviceClasses": []}), known).is_gpu_class("vfio.gpu.nvidia.com")
+    wide = DeviceClasses.of([{**NVIDIA_CLASSES[0], "metadata": {"name": "vfio.gpu.nvidia.com"}}], ["gpu.nvidia.com"])
+    assert Scope(policy, wide).is_gpu_class("vfio.gpu.nvidia.com")
 
 
 @pytest.mark.parametrize(
@@ -94,12 +119,20 @@ def test_excluded_classes_win_over_a_glob_that_matches_them():
         ("nvidia.com/mig-1g.10gb", True),
         ("deviceclass.resource.kubernetes.io/gpu.nvidia.com", True),
         ("deviceclass.resource.kubernetes.io/vfio.gpu.nvidia.com", False),
-        ("deviceclass.resource.kubernetes.io/nic.example.com", False),
+        ("deviceclass.resource.kubernetes.io/nic.example.com", True),  # unknown class
         ("example.com/fpga", False),
     ],
 )
 def test_gpu_extended_resources(name, gpu):
-    assert load_policy().is_gpu_extended_resource(name) is gpu
+    scope = Scope(load_policy(), DeviceClasses.of(NVIDIA_CLASSES, ["gpu.nvidia.com"]))
+    assert scope.is_gpu_extended_resource(name) is gpu
+
+
+def test_a_known_gpu_classs_extended_resource_is_a_gpu_resource_under_any_name():
+    h100 = {**NVIDIA_CLASSES[0], "metadata": {"name": "h100"}, "spec": {"extendedResourceName": "example.com/h100"}}
+    scope = Scope(load_policy(), DeviceClasses.of([h100], ["gpu.nvidia.com"]))
+    assert scope.is_gpu_extended_resource("example.com/h100")
+    assert not Scope(load_policy()).is_gpu_extended_resource("example.com/h100")
 
 
 def test_empty_policy_is_the_built_in_default():
@@ -225,8 +258,8 @@ def test_trusted_namespaces_and_agent_identities_from_the_file(tmp_path):
 def test_an_excluded_class_is_named_exactly_so_that_no_gpu_class_matching_a_glob_drops_out_of_scope():
     """A GPU class whose name happens to look like an excluded family (here, a model class named after the
     ComputeDomain it serves) stays a GPU class; a glob in excludeDeviceClasses is refused, naming it."""
-    policy = load_policy()
-    assert policy.is_gpu_class("compute-domain-h100.gpu.nvidia.com")
-    assert not policy.is_gpu_class("vfio.gpu.nvidia.com")
+    scope = Scope(load_policy(), DeviceClasses.of(NVIDIA_CLASSES, ["gpu.nvidia.com"]))
+    assert scope.is_gpu_class("compute-domain-h100.gpu.nvidia.com")
+    assert not scope.is_gpu_class("vfio.gpu.nvidia.com")
     with pytest.raises(PolicyError, match=r"excludeDeviceClasses: .*'compute-domain-\*\.nvidia\.com': a glob"):
         parse_policy({"excludeDeviceClasses": ["compute-domain-*.nvidia.com"]})

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scrubgate.policies import names
 from scrubgate.policies.attestation import public_key_pem, sign
 from scrubgate.policies.config import PolicyConfig, PolicyError, load_policy, parse_policy
-from scrubgate.policies.engine import Admission, Operation, default, validate
+from scrubgate.policies.engine import Admission, DeviceClasses, Operation, default, validate
 from scrubgate.policies.findings import Finding
 from test_attestation import DEVICE, KID, payload
 from test_attestation import claim as recorded_claim
@@ -26,6 +26,21 @@ UID = "uid-1"  # the claim UID test_attestation's payload attests by default
 OTHER_DEVICE = {**DEVICE, "device": "gpu-1", "uuid": "GPU-5678"}
 SCHEDULER = "system:kube-scheduler"
 PATH = "/status/allocation"
+# NVIDIA's classes as its DRA driver defines them, as the webhook learns them from the cluster.
+NVIDIA_CLASSES = DeviceClasses.of(
+    [
+        {"metadata": {"name": name}, "spec": {"selectors": [{"cel": {"expression": expression}}]}}
+        for name, expression in [
+            (
+                "vfio.gpu.nvidia.com",
+                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'vfio'",
+            ),
+            ("compute-domain-daemon.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
+            ("compute-domain-default-channel.nvidia.com", "device.driver == 'compute-domain.nvidia.com'"),
+        ]
+    ],
+    ["gpu.nvidia.com"],
+)
 FPGA = {"driver": "fpga.example.com", "pool": "node-a", "device": "fpga-0"}
 
 
@@ -73,9 +88,10 @@ def status_update(
     policy: PolicyConfig = POLICY,
     operation: Operation = "UPDATE",
     subresource: str = "status",
+    classes: DeviceClasses = NVIDIA_CLASSES,
 ) -> list[Finding]:
     admission = Admission(operation, user, groups, old_object=old, subresource=subresource, node="node-a")
-    return validate(new, policy, trusted=False, admission=admission)
+    return validate(new, policy, trusted=False, admission=admission, classes=classes)
 
 
 def assert_denied(findings: list[Finding], *fragments: str) -> None:
@@ -423,14 +439,17 @@ COMPUTE_DOMAIN_CHANNEL = {"driver": "compute-domain.nvidia.com", "pool": "node-a
 )
 def test_claims_no_agent_scrubs_are_never_held(device_class, device):
     """They may carry the finalizer from an older policy (`*.nvidia.com`): their deallocation still goes
-    through, and once deleted their finalizer may go, or their namespace would hang in Terminating."""
-    assert not POLICY.is_gpu_class(device_class)
+    through, and once deleted their finalizer may go, or their namespace would hang in Terminating. A vfio GPU is
+    a gpu.nvidia.com device: it is left alone because its class is excluded and proven to select only vfio
+    devices; not known so, it is guarded (fail closed)."""
     old = allocated(devices=(device,), device_class=device_class, recorded=False)
     assert status_update(old, deallocated(old), "system:serviceaccount:kube-system:resource-claim-controller") == []
     assert _finalizer_removed(_deleted(deallocated(old))) == []
     assert _finalizer_removed(_deleted(old)) == []
     # The finalizer of one that still exists stays the agent's to remove.
     assert [f.rule for f in _finalizer_removed(old)] == ["SG007"]
+    unknown = status_update(old, deallocated(old), "resource-claim-controller", classes=DeviceClasses())
+    assert [f.rule for f in unknown] == (["SG007"] if device["driver"] == "gpu.nvidia.com" else [])
 
 
 def test_a_gpu_allocated_through_a_class_named_like_an_excluded_family_is_guarded():
@@ -457,12 +476,23 @@ def test_allocating_is_not_guarded():
     assert status_update(empty_status, allocated_claim) == []
 
 
-def test_releasing_the_reservation_is_not_guarded():
+def test_a_pod_leaves_the_reservation_of_a_gpu_claim_no_agent_holds_only_attested():
+    """A pod that ran must not leave a GPU claim looking unused: while no node agent holds the claim, only
+    kube-scheduler (its Unreserve drops a pod whose binding failed) takes a pod out before the attestation; once
+    the agent holds it, the resourceclaim controller drops ended pods freely."""
     old = allocated()
     old["status"]["reservedFor"] = [{"resource": "pods", "name": "trainer", "uid": "pod-1"}]
     new = copy.deepcopy(old)
     new["status"]["reservedFor"] = []
-    assert status_update(old, new) == []
+    (finding,) = status_update(old, new, "system:serviceaccount:kube-system:resource-claim-controller")
+    assert finding.path == "/status/reservedFor" and "removed pod(s) trainer" in finding.message
+    assert status_update(old, new, SCHEDULER) == []
+    hold = {"apiGroup": "scrubgate.dev", "resource": "nodeagents", "name": "node-a", "uid": "hold-1"}
+    held = copy.deepcopy(old)
+    held["status"]["reservedFor"].append(hold)
+    dropped = copy.deepcopy(held)
+    dropped["status"]["reservedFor"] = [hold]
+    assert status_update(held, dropped, "system:serviceaccount:kube-system:resource-claim-controller") == []
 
 
 def test_a_main_resource_update_is_not_a_deallocation():
@@ -577,7 +607,11 @@ def test_the_devices_of_requests_that_cannot_use_a_gpu_class_need_no_attestation
     assert status_update(old, stripped, agent, subresource="") == []
 
 
-def test_a_device_of_an_unknown_request_still_needs_the_attestation() -> None:
+def test_a_gpu_of_an_unknown_request_still_needs_the_attestation() -> None:
+    """A device of a GPU driver whose request the spec does not name is guarded (fail closed); a device of
+    another driver holds no GPU memory an agent could scrub, whatever request it came from."""
     old = _mixed("not-in-the-spec", annotations=attested())
+    assert status_update(old, deallocated(old), "resource-claim-controller") == []
+    old["status"]["allocation"]["devices"]["results"].append({**OTHER_DEVICE, "request": "not-in-the-spec"})
     (finding,) = status_update(old, deallocated(old), "resource-claim-controller")
-    assert "does not cover the claim's devices: nic.example.com/node-a/nic-0" in finding.message
+    assert "does not cover the claim's devices: gpu.nvidia.com/node-a/gpu-1" in finding.message

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from scrubgate.policies import names
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.engine import Admission, validate
+from scrubgate.policies.engine import Admission, DeviceClasses, validate
 
 GPU_RESOURCES = ["nvidia.com/gpu", "nvidia.com/mig-1g.12gb", "deviceclass.resource.kubernetes.io/gpu.nvidia.com"]
 FENCE = {"key": names.TAINT_UNSANITIZED, "operator": "Exists", "effect": "NoSchedule"}
@@ -43,12 +43,34 @@ def test_an_init_container_counts_too(dra, policy):
     assert rules(validate(obj, policy, trusted=True, admission=Admission("CREATE", "alice"))) == [("SG003", "deny")]
 
 
-@pytest.mark.parametrize(
-    "resource", ["example.com/fpga", "deviceclass.resource.kubernetes.io/nic.example.com", "hugepages-2Mi"]
-)
+@pytest.mark.parametrize("resource", ["example.com/fpga", "hugepages-2Mi"])
 def test_other_extended_resources_are_not_gpus(dra, policy, resource):
     obj = dra.carrier("Pod", extended_spec(resource, tolerations=[FENCE]))
     assert validate(obj, policy, trusted=False) == []
+
+
+def test_a_class_asked_for_as_an_extended_resource_is_a_gpu_unless_proven_not(dra, policy):
+    """`deviceclass.resource.kubernetes.io/<class>` and a class's own extendedResourceName: a GPU pod unless the
+    class is known and its selectors prove it hands out no GPU."""
+    nic = {
+        "metadata": {"name": "nic.example.com"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'nic.example.com'"}}]},
+    }
+    h100 = {
+        "metadata": {"name": "h100"},
+        "spec": {
+            "selectors": [{"cel": {"expression": "device.attributes['gpu.nvidia.com'].productName == 'H100'"}}],
+            "extendedResourceName": "example.com/h100",
+        },
+    }
+    known = DeviceClasses.of([nic, h100], ["gpu.nvidia.com"])
+    implicit = dra.carrier(
+        "Pod", extended_spec("deviceclass.resource.kubernetes.io/nic.example.com", tolerations=[FENCE])
+    )
+    assert validate(implicit, policy, trusted=False, classes=known) == []
+    assert rules(validate(implicit, policy, trusted=False)) == [("SG003", "deny"), ("SG005", "deny")]  # unknown: GPU
+    named = dra.carrier("Pod", extended_spec("example.com/h100", tolerations=[FENCE]))
+    assert rules(validate(named, policy, trusted=False, classes=known)) == [("SG003", "deny"), ("SG005", "deny")]
 
 
 def test_the_policy_names_the_gpu_extended_resources(dra):

@@ -161,8 +161,15 @@ def test_a_user_changing_a_fences_spec_is_denied(version: str, change: dict[str,
     finding = only(admit("UPDATE", old, respecced(old, **change)))
     assert finding.action == "deny"
     assert finding.message.startswith(f"user {TENANT!r} changed the spec of DeviceTaintRule")
-    # The agent may (it never does: it creates and deletes); an admin may, recorded.
-    assert admit("UPDATE", old, respecced(old, **change), user=AGENT) == []
+    # The agent may, where the result is still a NoSchedule fence of one device of its node (it never does: it
+    # creates and deletes); an admin may, recorded.
+    still_a_fence = "deviceSelector" not in change or change["deviceSelector"]
+    still_a_fence = still_a_fence and change.get("taint", {}).get("effect", "NoSchedule") == "NoSchedule"
+    still_a_fence = still_a_fence and change.get("taint", {}).get("key", names.TAINT_UNSANITIZED).startswith(
+        "scrubgate.dev/"
+    )
+    by_agent = admit("UPDATE", old, respecced(old, **change), user=AGENT)
+    assert by_agent == [] if still_a_fence else [f.rule for f in by_agent] == ["SG007"]
     admin = only(admit("UPDATE", old, respecced(old, **change), user=ADMIN, groups=ADMIN_GROUPS))
     assert admin.action == "audit" and "changed the spec of" in admin.message
 
@@ -262,3 +269,45 @@ def test_only_the_nodes_agent_lifts_its_node_taint_fence():
     other = {"key": "example.com/maintenance", "effect": "NoSchedule"}
     assert admit("UPDATE", lifted, fenced) == [], "fencing more"
     assert admit("UPDATE", gpu_node(NODE_FENCE, other), gpu_node(NODE_FENCE)) == []
+
+
+# ---------------------------------------------------------------------- what an agent's token may write (issue 28.4)
+
+AGENT_AT = {"user": AGENT, "groups": ("system:serviceaccounts",)}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"taint": {"key": names.TAINT_UNSANITIZED, "effect": "NoExecute"}}, "not a scrubgate.dev/ NoSchedule fence"),
+        ({"taint": {"key": "example.com/evict", "effect": "NoSchedule"}}, "not a scrubgate.dev/ NoSchedule fence"),
+        ({"deviceSelector": {"driver": "gpu.nvidia.com"}}, "does not name exactly one device"),
+        ({"deviceSelector": {**SELECTOR, "pool": "node-2"}}, "acted on the device pool 'node-2'"),
+    ],
+    ids=["no-execute", "other-key", "every-gpu", "other-node"],
+)
+def test_an_agent_creates_only_noschedule_fences_of_its_own_nodes_devices(change, problem):
+    """One node's token must not evict every GPU workload (a NoExecute rule over every GPU) or fence another
+    node's devices."""
+    assert admit("CREATE", None, fence(), **AGENT_AT) == []
+    wanted = fence()
+    wanted["spec"] = {**wanted["spec"], **change}
+    (finding,) = admit("CREATE", None, wanted, **AGENT_AT)
+    assert finding.rule == "SG007" and problem in finding.message
+    assert admit("CREATE", None, wanted) == [], "anyone else's rule only fences more"
+
+
+def test_an_agent_changes_nothing_of_a_node_but_its_own_fence_taints():
+    plain = gpu_node()
+    assert admit("UPDATE", plain, gpu_node(NODE_FENCE), **AGENT_AT, node="node-1") == []
+    labelled = copy.deepcopy(plain)
+    labelled["metadata"]["labels"] = {"gpu": "none"}
+    assert "beyond its own scrubgate.dev/ taints" in only(admit("UPDATE", plain, labelled, **AGENT_AT)).message
+    cordoned = copy.deepcopy(plain)
+    cordoned["spec"]["unschedulable"] = True
+    assert "beyond its own" in only(admit("UPDATE", plain, cordoned, **AGENT_AT)).message
+    evicting = {"key": names.TAINT_UNSANITIZED, "effect": "NoExecute"}
+    assert "NoSchedule only" in only(admit("UPDATE", plain, gpu_node(evicting), **AGENT_AT), "/spec/taints").message
+    other = only(admit("UPDATE", plain, gpu_node(NODE_FENCE), **AGENT_AT, node="node-2"), "/metadata/name")
+    assert "the agent of node 'node-2' acted on node 'node-1'" in other.message
+    assert admit("UPDATE", plain, labelled, user="kubelet") == [], "other writers' node changes are not SG007's"

@@ -9,7 +9,7 @@ import jsonpatch
 import pytest
 from scrubgate.policies import names
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.engine import Admission, default, validate
+from scrubgate.policies.engine import Admission, DeviceClasses, default, validate
 
 
 def apply(obj, findings):
@@ -76,7 +76,11 @@ def test_default_only_on_create(dra, policy, operation):
 def test_default_gives_nothing_for_templates_non_gpu_claims_and_other_kinds(dra, policy):
     assert default(dra.claim("v1", "ResourceClaimTemplate"), policy) == []
     example = dra.claim("v1", requests=[dra.device_request("v1", "gpu.example.com")])
-    assert default(example, policy) == []
+    other = {
+        "metadata": {"name": "gpu.example.com"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.example.com'"}}]},
+    }
+    assert default(example, policy, classes=DeviceClasses.of([other], policy.gpu_drivers)) == []
     assert default({"apiVersion": "v1", "kind": "ConfigMap"}, policy) == []
     assert default(None, policy) == []
 

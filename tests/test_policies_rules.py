@@ -8,7 +8,7 @@ import jsonpatch
 import pytest
 from scrubgate.policies import names
 from scrubgate.policies.config import parse_policy
-from scrubgate.policies.engine import default, validate
+from scrubgate.policies.engine import DeviceClasses, default, validate
 
 RETAIN = {names.ANNOTATION_DEALLOCATION_POLICY: names.DEALLOCATION_RETAIN}
 FENCE = {"key": names.TAINT_UNSANITIZED, "operator": "Exists", "effect": "NoSchedule"}
@@ -128,34 +128,72 @@ def test_admin_access_is_sg006_only_when_multi_tenant(dra, policy, resource_vers
     assert [f.rule for f in validate(not_admin, policy, trusted=False) if f.rule == "SG006"] == []
 
 
-@pytest.mark.parametrize("device_class", ["gpu.example.com", "cpu.example.com", "nvidia.com", "gpu.nvidia.com.evil"])
-def test_non_gpu_classes_are_out_of_scope(dra, policy, resource_version, claim_kind, device_class):
-    request = dra.device_request(resource_version, device_class, admin_access=True, tolerations=[FENCE])
-    obj = dra.claim(resource_version, claim_kind, requests=[request], annotations=RETAIN, template_annotations=RETAIN)
-    assert validate(obj, policy, trusted=False) == []
-
-
-@pytest.mark.parametrize("device_class", ["gpu.nvidia.com", "mig.nvidia.com"])
-def test_nvidia_gpu_classes_are_in_scope(dra, policy, device_class):
-    obj = dra.claim("v1", requests=[dra.device_request("v1", device_class)])
-    assert verdict(validate(obj, policy, trusted=False)) == [("SG004", "warn")]
+def device_class(name: str, expression: str) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": expression}}]},
+    }
 
 
 @pytest.mark.parametrize(
-    "device_class",
-    [
-        "compute-domain-default-channel.nvidia.com",
-        "compute-domain-daemon.nvidia.com",
-        "imex.nvidia.com",
-        "vfio.gpu.nvidia.com",
-    ],
+    "device_class_name", ["gpu.example.com", "cpu.example.com", "nvidia.com", "gpu.nvidia.com.evil"]
 )
-def test_nvidia_classes_no_agent_scrubs_get_no_finalizer(dra, policy, device_class):
+def test_a_class_proven_to_hand_out_no_gpu_takes_its_claims_out_of_scope(
+    dra, policy, resource_version, claim_kind, device_class_name
+):
+    """Retain and no finalizer are fine for a class whose selectors name another driver; admin access and the
+    fence's tolerations are not, in a multi-tenant namespace, whatever the class (a name proves nothing)."""
+    known = DeviceClasses.of(
+        [device_class(device_class_name, "device.driver == 'cpu.example.com'")], ["gpu.nvidia.com"]
+    )
+    request = dra.device_request(resource_version, device_class_name, admin_access=True, tolerations=[FENCE])
+    obj = dra.claim(resource_version, claim_kind, requests=[request], annotations=RETAIN, template_annotations=RETAIN)
+    assert verdict(validate(obj, policy, trusted=False, classes=known)) == [("SG005", "deny"), ("SG006", "deny")]
+    assert verdict(validate(obj, policy, trusted=True, classes=known)) == [("SG005", "deny")]  # the fence's own key
+    plain = dra.claim(resource_version, claim_kind, requests=[dra.device_request(resource_version, device_class_name)])
+    assert validate(plain, policy, trusted=False, classes=known) == []
+    assert default(plain, policy, classes=known) == []
+
+
+@pytest.mark.parametrize(
+    "device_class_name", ["gpu.example.com", "cpu.example.com", "nvidia.com", "gpu.nvidia.com.evil"]
+)
+def test_a_class_nobody_proved_anything_of_is_a_gpu_class(dra, policy, resource_version, device_class_name):
+    obj = dra.claim(resource_version, requests=[dra.device_request(resource_version, device_class_name)])
+    assert verdict(validate(obj, policy, trusted=False)) == [("SG004", "warn")]
+
+
+@pytest.mark.parametrize("device_class_name", ["gpu.nvidia.com", "mig.nvidia.com"])
+def test_nvidia_gpu_classes_are_in_scope(dra, policy, device_class_name):
+    obj = dra.claim("v1", requests=[dra.device_request("v1", device_class_name)])
+    assert verdict(validate(obj, policy, trusted=False)) == [("SG004", "warn")]
+
+
+# NVIDIA's classes for what no agent scrubs, as its DRA driver's chart defines them (templates/deviceclass-*.yaml).
+NVIDIA_UNSCRUBBED = {
+    "compute-domain-default-channel.nvidia.com": "device.driver == 'compute-domain.nvidia.com'"
+    " && device.attributes['compute-domain.nvidia.com'].type == 'channel'",
+    "compute-domain-daemon.nvidia.com": "device.driver == 'compute-domain.nvidia.com'"
+    " && device.attributes['compute-domain.nvidia.com'].type == 'daemon'",
+    "imex.nvidia.com": "device.driver == 'imex.nvidia.com'",
+    "vfio.gpu.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'vfio'",
+}
+
+
+@pytest.mark.parametrize("device_class_name", sorted(NVIDIA_UNSCRUBBED))
+def test_nvidia_classes_no_agent_scrubs_get_no_finalizer(dra, policy, device_class_name):
     """IMEX channels hold no GPU memory and a vfio-pci GPU is scrubbed by no agent: a finalizer on their claims
-    would never be removed, and their namespaces would hang in Terminating."""
-    obj = dra.claim("v1", requests=[dra.device_request("v1", device_class)])
-    assert validate(obj, policy, trusted=False) == []
-    assert default(obj, policy) == []
+    would never be removed, and their namespaces would hang in Terminating. Known as NVIDIA defines them, they
+    are out of scope; not known, they are guarded (fail closed)."""
+    known = DeviceClasses.of(
+        [device_class(device_class_name, NVIDIA_UNSCRUBBED[device_class_name])], ["gpu.nvidia.com"]
+    )
+    obj = dra.claim("v1", requests=[dra.device_request("v1", device_class_name)])
+    assert validate(obj, policy, trusted=False, classes=known) == []
+    assert default(obj, policy, classes=known) == []
+    assert [f.rule for f in default(obj, policy)] == ["SG004"]
 
 
 def test_one_gpu_alternative_in_first_available_brings_the_claim_in_scope(dra, policy, structured_version):
@@ -165,12 +203,19 @@ def test_one_gpu_alternative_in_first_available_brings_the_claim_in_scope(dra, p
     assert verdict(validate(obj, policy, trusted=False)) == [("SG001", "deny"), ("SG005", "deny")]
 
 
-def test_policy_gpu_classes_decide_scope(dra):
+def test_policy_gpu_classes_only_add_to_scope(dra):
+    """gpuDeviceClasses names classes guarded whatever their selectors prove; it never takes one out."""
     custom = parse_policy({"gpuDeviceClasses": ["gpu.example.*"]})
-    example = dra.claim("v1", requests=[dra.device_request("v1", "gpu.example.com", admin_access=True)])
-    nvidia = dra.claim("v1", requests=[dra.device_request("v1", "gpu.nvidia.com", admin_access=True)])
-    assert verdict(validate(example, custom, trusted=False)) == [("SG004", "warn"), ("SG006", "deny")]
-    assert validate(nvidia, custom, trusted=False) == []
+    known = DeviceClasses.of(
+        [device_class(n, "device.driver == 'other.example.com'") for n in ("gpu.example.com", "tpu.example.com")],
+        ["gpu.nvidia.com"],
+    )
+    example = dra.claim("v1", requests=[dra.device_request("v1", "gpu.example.com")])
+    tpu = dra.claim("v1", requests=[dra.device_request("v1", "tpu.example.com")])
+    nvidia = dra.claim("v1", requests=[dra.device_request("v1", "gpu.nvidia.com")])
+    assert verdict(validate(example, custom, trusted=False, classes=known)) == [("SG004", "warn")]
+    assert validate(tpu, custom, trusted=False, classes=known) == []
+    assert verdict(validate(nvidia, custom, trusted=False, classes=known)) == [("SG004", "warn")]
 
 
 def test_all_claim_rules_at_once(dra, policy, flat_version):

@@ -10,6 +10,7 @@ import json
 import jsonpatch
 import pytest
 from scrubgate.policies import names
+from scrubgate.policies.selectors import DeviceClasses
 from scrubgate.webhook import handlers
 from scrubgate.webhook.audit import verify_files
 from webhook_support import (
@@ -254,18 +255,18 @@ def test_evictions_with_a_grace_period_and_admins_force_evictions_pass(webhook):
 # -- cluster-scoped kinds: DeviceClasses (SG009), Namespaces' tenancy label (SG010) --------------------------
 
 
-def test_an_uncovered_gpu_device_class_is_denied_naming_the_policy_field(webhook):
+def test_an_excluded_name_on_a_gpu_class_is_denied_naming_the_policy_field(webhook):
     device_class = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
-        "metadata": {"name": "h100-80gb"},
+        "metadata": {"name": "imex.nvidia.com"},
         "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]},
     }
     for operation, old in (("CREATE", None), ("UPDATE", device_class)):
         response = post_review(webhook, "/validate", review(device_class, operation=operation, old=old, user=ADMIN))
         assert response["allowed"] is False
         assert "SG009 gpu-class-coverage" in response["status"]["message"]
-        assert "add 'h100-80gb' to gpuDeviceClasses" in response["status"]["message"]
+        assert "excludeDeviceClasses" in response["status"]["message"]
 
 
 def _namespace(**labels: str) -> dict:
@@ -350,9 +351,16 @@ def test_the_schedulers_release_of_its_unbound_claim_loses_the_finalizer_over_th
     assert "patch" not in post_review(webhook, "/mutate", review(update, operation="UPDATE", old=old, user=tenant))
 
 
-def test_a_non_gpu_claim_is_not_mutated(webhook):
+def test_a_claim_is_mutated_unless_the_watched_classes_prove_its_class_hands_out_no_gpu(webhook, monkeypatch):
     claim = gpu_claim()
     claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "fpga.example.com"
+    assert "patch" in post_review(webhook, "/mutate", review(claim)), "an unknown class is a GPU class"
+    fpga = {
+        "metadata": {"name": "fpga.example.com"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'fpga.example.com'"}}]},
+    }
+    known = DeviceClasses.of([fpga], ["gpu.nvidia.com"])
+    monkeypatch.setattr(webhook.state, "classes", lambda _policy: known)
     assert "patch" not in post_review(webhook, "/mutate", review(claim))
 
 

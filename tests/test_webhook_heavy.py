@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from scrubgate.policies.config import load_policy
+from scrubgate.policies.selectors import DeviceClasses
 from scrubgate.webhook import handlers
 from scrubgate.webhook.fairlane import FairLane, requester
 from scrubgate.webhook.transport import decode, request_timeout
@@ -30,12 +31,12 @@ def hold_the_first_evaluation(monkeypatch, key):
     evaluated: list[str] = []
     real = handlers.handle_validate
 
-    def held(request, policy, *, trusted):
+    def held(request, policy, classes, *, trusted):
         evaluated.append(key(request))
         if len(evaluated) == 1:
             entered.release()
             release.wait(30)
-        return real(request, policy, trusted=trusted)
+        return real(request, policy, classes, trusted=trusted)
 
     monkeypatch.setattr(handlers, "handle_validate", held)
     return entered, release, evaluated
@@ -65,11 +66,11 @@ def test_a_small_request_is_answered_while_heavy_ones_are_evaluated(tmp_path, mo
     entered, release = threading.Semaphore(0), threading.Event()
     real = handlers.handle_validate
 
-    def held(request, policy, *, trusted):
+    def held(request, policy, classes, *, trusted):
         if len((request.object or {}).get("spec", {}).get("tolerations") or []) > 1000:
             entered.release()
             release.wait(30)
-        return real(request, policy, trusted=trusted)
+        return real(request, policy, classes, trusted=trusted)
 
     monkeypatch.setattr(handlers, "handle_validate", held)
     with serving(tmp_path) as webhook:
@@ -175,7 +176,7 @@ def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp
 @pytest.mark.parametrize("size", [10, 200])
 def test_a_deny_message_lists_at_most_twenty_findings(size):
     request = decode(json.dumps(review(heavy_pod(size))).encode())
-    outcome = handlers.handle_validate(request, load_policy(None), trusted=False)
+    outcome = handlers.handle_validate(request, load_policy(None), DeviceClasses(), trusted=False)
     message = outcome.response.status.message
     assert message.count("SG005") == min(size, 20)
     assert ("more findings" in message) is (size > 20)

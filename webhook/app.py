@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Response
 from scrubgate.policies.attestation import rfc3339
 from scrubgate.policies.config import PolicyConfig
+from scrubgate.policies.selectors import UNKNOWN, DeviceClasses
 from starlette.types import Receive, Scope, Send
 
 from . import handlers, responses
@@ -88,6 +89,10 @@ class WebhookState:
     heavy_body_bytes: int = HEAVY_BODY_BYTES
     heavy_lane: FairLane = field(default_factory=FairLane)
     repeats: RepeatedRefusals = field(default_factory=lambda: RepeatedRefusals(REPEAT_WINDOW_S, REPEAT_KEYS))
+    # The cluster's DeviceClasses under a policy (device_classes.py); without them every class is unknown, hence
+    # every claim guarded.
+    classes: Callable[[PolicyConfig], DeviceClasses] = lambda _policy: UNKNOWN
+    classes_synced: Callable[[], bool] = lambda: False
 
 
 def audit_fields(
@@ -131,7 +136,7 @@ def refusal_reason(path: str) -> str:
     return _INDEX.sub("/*", path) or "(object)"
 
 
-Handler = Callable[[AdmissionRequest, PolicyConfig], Outcome]
+Handler = Callable[[AdmissionRequest, PolicyConfig, DeviceClasses], Outcome]
 EXPIRED = 503  # the HTTP status of a request not evaluated because its caller stopped waiting
 
 
@@ -232,7 +237,7 @@ class AdmissionEndpoint:
         request = decode(body)
         policy = self.state.policy.policy
         try:
-            outcome = self.handler(request, policy)
+            outcome = self.handler(request, policy, self.state.classes(policy))
         except Exception as exc:
             log.exception(
                 "policy evaluation failed for %s %s (uid %s); refusing it (fail closed)",
@@ -343,7 +348,10 @@ def create_app(state: WebhookState) -> FastAPI:
             problems.append("the audit log writer is not running")
         if problems:
             return Response(json.dumps({"status": "not ready", "problems": problems}), 503, media_type=JSON)
-        return Response(b'{"status":"ready"}', media_type=JSON)
+        # Informational, not a readiness condition: before the DeviceClasses are read, every claim is guarded
+        # (more, never less), which is better than refusing every guarded write for want of an endpoint.
+        synced = state.classes_synced()
+        return Response(json.dumps({"status": "ready", "deviceClasses": synced}), media_type=JSON)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="CA that signs the API server's client certificate; admission paths then require one",
     )
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="kubeconfig for reading DeviceClasses (default: the pod's ServiceAccount; outside a pod without "
+        "one, every claim is guarded as one that may hold a GPU)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             audit_signing_key=args.audit_signing_key,
             audit_checkpoint_interval=args.audit_checkpoint_interval,
             client_ca=args.client_ca,
+            kubeconfig=args.kubeconfig,
         )
     )
 

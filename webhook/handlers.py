@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scrubgate.policies.config import PolicyConfig
-from scrubgate.policies.engine import Admission, default, validate
+from scrubgate.policies.engine import Admission, DeviceClasses, default, validate
 from scrubgate.policies.findings import Finding
 from scrubgate.policies.names import FINALIZER
 
@@ -60,10 +60,13 @@ def _deny_message(request: AdmissionRequest, denials: list[Finding]) -> str:
     return f"scrubgate denied {request.operation} of {describe(request)}: {fixes}{more(len(shown), len(denials))}"
 
 
-def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted: bool) -> Outcome:
-    """SG001-SG008 on the request; `trusted` comes from the webhook path (the namespaceSelector split),
-    never from the request, so a namespace the webhook cannot place is multi-tenant. Kinds the policy
-    does not know get no findings from the engine, hence a plain allow."""
+def handle_validate(
+    request: AdmissionRequest, policy: PolicyConfig, classes: DeviceClasses, *, trusted: bool
+) -> Outcome:
+    """SG001-SG010 on the request; `trusted` comes from the webhook path (the namespaceSelector split),
+    never from the request, so a namespace the webhook cannot place is multi-tenant; `classes` are the cluster's
+    DeviceClasses as the webhook's watch knows them. Kinds the policy does not know get no findings from the
+    engine, hence a plain allow."""
     admission = Admission(
         operation=request.operation,
         username=request.username,
@@ -74,7 +77,7 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
         subresource=request.sub_resource,
         node=request.node,
     )
-    findings = validate(request.object, policy, trusted=trusted, admission=admission)
+    findings = validate(request.object, policy, trusted=trusted, admission=admission, classes=classes)
     if not findings:
         return Outcome(responses.allowed(request.uid), "allow")
     denials = [finding for finding in findings if finding.action == "deny"]
@@ -90,13 +93,13 @@ def handle_validate(request: AdmissionRequest, policy: PolicyConfig, *, trusted:
     return Outcome(responses.allowed(request.uid), "audit", findings)
 
 
-def handle_mutate(request: AdmissionRequest, policy: PolicyConfig) -> Outcome:
+def handle_mutate(request: AdmissionRequest, policy: PolicyConfig, classes: DeviceClasses) -> Outcome:
     """SG004 finalizer on CREATE of a GPU claim, and its removal when kube-scheduler releases a claim of its own
     that no container used. The engine patches only what is absent, so a reinvocation (reinvocationPolicy:
     IfNeeded) adds nothing twice; it finds nothing to default in other operations and kinds (the API server has
     defaulted a pod's grace period before any webhook runs)."""
     admission = Admission(operation=request.operation, username=request.username, old_object=request.old_object)
-    findings = default(request.object, policy, request.operation, admission)
+    findings = default(request.object, policy, request.operation, admission, classes)
     ops = [op for finding in findings for op in finding.patch]
     unsafe = [op for op in ops if not _safe(op, ops)]
     if unsafe:

@@ -138,6 +138,19 @@ class Metrics:
             "refuses some.",
             registry=r,
         )
+        self.device_classes_synced = Gauge(
+            "scrubgate_webhook_device_classes_synced",
+            "1 once the webhook has listed the cluster's DeviceClasses; 0 before (every claim is then guarded as one "
+            "that may hold a GPU) or without API access.",
+            registry=r,
+        )
+        self.unproven_excluded = Gauge(
+            "scrubgate_webhook_unproven_excluded_classes",
+            "DeviceClasses in the policy's excludeDeviceClasses whose selectors do not prove they hand out no GPU "
+            "memory: their claims skip the webhook by name. Fix the class or the policy (the webhook's log names "
+            "them).",
+            registry=r,
+        )
         self.cert_not_after = Gauge(
             "scrubgate_tls_certificate_not_after_seconds",
             "Expiry of the serving certificate in force, as a Unix time.",

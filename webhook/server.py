@@ -6,9 +6,11 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import ssl
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,10 +22,13 @@ from scrubgate.policies.attestation import rfc3339
 from scrubgate.policies.config import PolicyError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from scrubgate.kubeapi import KubeApi
+
 from . import defaults
 from .app import CLIENT_VERIFIED, LogAuditSink, WebhookState, create_app
 from .audit import AuditLog, AuditLogError
 from .audit_checkpoints import Checkpointer
+from .device_classes import DeviceClassWatch
 from .metrics import Metrics
 from .policy_reload import PolicySource
 from .tls import ServingTLS, TLSConfigError
@@ -144,6 +149,9 @@ class Settings:
     audit_checkpoint_interval: float = defaults.AUDIT_CHECKPOINT_INTERVAL
     client_ca: Path | None = None
     watch_interval: float = 2.0
+    # Where the DeviceClass watch reaches the API server: a kubeconfig, else (in a pod) the ServiceAccount; None
+    # outside a pod without one: no watch, every claim guarded.
+    kubeconfig: Path | None = None
 
 
 def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
@@ -181,6 +189,27 @@ def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
     return state, audit
 
 
+def _watch_device_classes(settings: Settings, state: WebhookState) -> threading.Event | None:
+    """Starts the DeviceClass watch (device_classes.py); returns what stops it, or None without API access."""
+    if settings.kubeconfig is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
+        log.warning(
+            "no --kubeconfig and not in a pod: the webhook cannot read the cluster's DeviceClasses, so it guards "
+            "every claim as one that may hold a GPU"
+        )
+        return None
+    kubeconfig = str(settings.kubeconfig) if settings.kubeconfig else None
+    watch = DeviceClassWatch(
+        lambda: KubeApi.connect(kubeconfig), on_unproven=lambda names: state.metrics.unproven_excluded.set(len(names))
+    )
+    state.classes = watch.classes
+    state.classes_synced = watch.synced.is_set
+    state.metrics.device_classes_synced.set_function(lambda: 1.0 if watch.synced.is_set() else 0.0)
+    stop = threading.Event()
+    policy = lambda: state.policy.policy  # noqa: E731 - read at each event: the policy reloads
+    threading.Thread(target=watch.run, args=(stop, policy), name="deviceclass-watch", daemon=True).start()
+    return stop
+
+
 def serve(settings: Settings) -> int:
     configure_logging()
     try:
@@ -190,6 +219,7 @@ def serve(settings: Settings) -> int:
         return 2
     if audit is None:
         log.warning("no --audit-log given: audit records go to this log only, without the hash chain")
+    stop_watch = _watch_device_classes(settings, state)
     server = build_server(create_app(state), state.tls.context, settings.host, settings.port)
     log.info(
         "serving admission on https://%s:%d (policy %s)",
@@ -206,6 +236,8 @@ def serve(settings: Settings) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        if stop_watch is not None:
+            stop_watch.set()
         if audit is not None:
             audit.close()
     return 0 if server.started else 1

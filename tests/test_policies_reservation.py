@@ -1,0 +1,117 @@
+"""A used GPU claim never looks unused (issue 28 item 3), and a node agent's writes reach its own node only (item 4).
+
+The node agent holds a claim a pod of it may have used with a consumer of its own in `status.reservedFor`
+(`scrubgate.dev/nodeagents`), which Kubernetes' resourceclaim controller keeps (it keeps consumers it does not know:
+pkg/controller/resourceclaim/controller.go, syncClaim) and kube-scheduler's PostFilter respects (it deallocates only
+a claim reserved for nobody or the pod at hand). SG007 guards the hold; the attestation is bound to it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from scrubgate.policies import names
+from test_policies_deallocation import (
+    SCHEDULER,
+    allocated,
+    attested,
+    deallocated,
+    status_update,
+)
+
+CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+AGENT = "system:serviceaccount:scrubgate-system:scrubgate-agent"
+POD = {"resource": "pods", "name": "p1", "uid": "pod-1"}
+PENDING = {"resource": "pods", "name": "p2", "uid": "pod-2"}
+
+
+def hold(node: str = "node-a", uid: str = "hold-1") -> dict[str, str]:
+    return {"apiGroup": names.RESERVATION_GROUP, "resource": names.RESERVATION_RESOURCE, "name": node, "uid": uid}
+
+
+def reserved(claim: dict[str, Any], *consumers: dict[str, str]) -> dict[str, Any]:
+    new = copy.deepcopy(claim)
+    new["status"]["reservedFor"] = [dict(c) for c in consumers]
+    return new
+
+
+def agent_update(old, new, node="node-a"):
+    from scrubgate.policies.engine import Admission, validate
+    from test_policies_deallocation import NVIDIA_CLASSES, POLICY
+
+    admission = Admission("UPDATE", AGENT, ("system:serviceaccounts",), old_object=old, subresource="status", node=node)
+    return validate(new, POLICY, trusted=False, admission=admission, classes=NVIDIA_CLASSES)
+
+
+def test_only_the_agent_of_the_claims_node_adds_its_hold():
+    old = reserved(allocated(recorded=False), POD)
+    assert agent_update(old, reserved(old, POD, hold())) == []
+    (finding,) = agent_update(old, reserved(old, POD, hold("node-b")), node="node-b")
+    assert "the agent of node 'node-b' acted on claim" in finding.message
+    (finding,) = agent_update(old, reserved(old, POD, hold("node-b")))
+    assert "added a hold named for node 'node-b'" in finding.message
+    (finding,) = status_update(old, reserved(old, POD, hold()), "mallory")
+    assert finding.path == "/status/reservedFor" and "only scrubgate's node agent holds a claim" in finding.message
+
+
+def test_the_controller_drops_ended_pods_from_a_held_claim_and_never_deallocates_it():
+    """Upstream's controller writes the remaining consumers (here the hold) and keeps the allocation: no refusal,
+    no retry."""
+    old = reserved(allocated(recorded=False), POD, hold())
+    assert status_update(old, reserved(old, hold()), CONTROLLER) == []
+
+
+def test_the_shared_claim_hole_is_closed():
+    """A shared claim whose first pod ran and ended while a second pod's binding failed: the controller drops
+    the first, the scheduler's Unreserve the second, and PostFilter then clears the allocation as one it never
+    used. Unheld, the controller's write is refused; held, the scheduler's deallocation is."""
+    claim = reserved(allocated(recorded=False), POD, PENDING)
+    (finding,) = status_update(claim, reserved(claim, PENDING), CONTROLLER)
+    assert "removed pod(s) p1" in finding.message
+    held = reserved(claim, POD, PENDING, hold())
+    assert status_update(held, reserved(held, PENDING, hold()), CONTROLLER) == []
+    assert status_update(held, reserved(held, hold()), SCHEDULER) == []  # Unreserve of the pod never bound
+    only_hold = reserved(held, hold())
+    gone = deallocated(only_hold)
+    gone["status"]["reservedFor"] = []
+    (finding,) = [f for f in status_update(only_hold, gone, SCHEDULER) if f.path == "/status/allocation"]
+    assert "cleared the allocation" in finding.message
+
+
+def test_the_hold_goes_only_with_an_attestation_bound_to_it():
+    identity = {"reservation": "hold-1", "allocatedAt": None}
+    claim = reserved(allocated(recorded=False, annotations=attested(allocation=identity)), hold())
+    released = deallocated(claim)
+    released["status"]["reservedFor"] = []
+    assert agent_update(claim, released) == []
+    # Another hold (the claim was allocated again, and held anew): the old attestation covers nothing of it.
+    again = reserved(claim, hold(uid="hold-2"))
+    problems = [f.message for f in agent_update(again, released)]
+    assert problems and all("the claim was allocated again since its scrub" in m for m in problems)
+    unattested = reserved(allocated(recorded=False), hold())
+    (finding,) = [f for f in status_update(unattested, reserved(unattested), CONTROLLER) if "hold" in f.message]
+    assert "released the node agent's hold" in finding.message
+
+
+def test_an_attestation_is_bound_to_the_allocation_timestamp():
+    claim = allocated(annotations=attested(allocation={"reservation": None, "allocatedAt": "2026-12-04T10:00:00Z"}))
+    claim["status"]["allocation"]["allocationTimestamp"] = "2026-12-04T10:00:00Z"
+    assert status_update(claim, deallocated(claim), CONTROLLER) == []
+    claim["status"]["allocation"]["allocationTimestamp"] = "2026-12-04T11:00:00Z"
+    (finding,) = status_update(claim, deallocated(claim), CONTROLLER)
+    assert "allocated again since its scrub" in finding.message
+
+
+def test_an_agent_writes_no_record_on_a_claim_that_is_on_no_node():
+    """A pending claim (not allocated, no record) is on no node: no agent's to annotate."""
+    from scrubgate.policies.engine import Admission, validate
+    from test_policies_deallocation import POLICY
+
+    pending = allocated(recorded=False)
+    del pending["status"]
+    marked = copy.deepcopy(pending)
+    marked["metadata"].setdefault("annotations", {})[names.ANNOTATION_SCRUB_STATUS] = "fenced"
+    admission = Admission("UPDATE", AGENT, (), old_object=pending, node="node-a")
+    (finding,) = validate(marked, POLICY, trusted=False, admission=admission)
+    assert "which is on no node" in finding.message
