@@ -286,9 +286,11 @@ class Check:
                 "seconds": round(time.monotonic() - started, 3),
             }
             self.report["pass"] = False
-            self.save()
-            print(table(self.report), flush=True)
-            os._exit(1)
+            try:
+                self.save()
+                print(table(self.report), flush=True)
+            finally:
+                os._exit(1)
 
     def step(self, name: str, run: Callable[[], dict[str, Any] | None]) -> bool:
         """Runs one step under its time limit; records it (and saves the report) whatever happens."""
