@@ -118,6 +118,7 @@ def test_the_check_reports_versions_card_settings_host_memory_and_every_canary(n
     )
     assert card["architecture"] == 9 and card["migMode"] == [0, 0] and card["eccMode"] == [1, 1]
     assert report["steps"]["selftest"]["cudaDriverVersion"] == 13000
+    assert report["steps"]["selftest"]["agentStartCheck"] is None
     scrub = report["steps"]["scrub"]["scrub"]
     assert scrub["host_rss_bytes"] > MiB and 0 < scrub["kernel_s"] <= scrub["duration_s"]
     assert all(s["seconds"] >= 0 for s in report["steps"].values())

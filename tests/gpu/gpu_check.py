@@ -9,7 +9,7 @@ is abandoned by a watchdog past its limit: the report says so, and the check exi
    binding packages) and the card's settings the scrub depends on, read only: persistence mode, GSP firmware,
    architecture, MIG and ECC modes.
 2. selftest: the verify kernels (cubin, else PTX, else none: the report says which) count planted words; the
-   CUDA driver API's version.
+   CUDA driver API's version; the agent's own start-up check of CUDA.
 3. scrub: a tenant process fills N GiB with a canary and exits; the backend scrubs the device (warm-up,
    margin, second pass); a probe allocates all it can and counts canary words (must be 0). Coverage:
    bytes scrubbed, unreached and reserved; the scrub's device and wall time and its process's peak host
@@ -393,6 +393,9 @@ class Check:
 
     def selftest(self) -> dict[str, Any]:
         report = self.child("selftest", self.device.uuid, bytes=min(64 << 20, self.device.memory_free // 2))
+        # The agent's own start-up check (cuda_scrub.py --check on an idle device): None when CUDA works.
+        report["agentStartCheck"] = self.backend.cuda_problem()
+        report["ok"] = report["ok"] and report["agentStartCheck"] is None
         return report
 
     def canary_scrub_probe(
