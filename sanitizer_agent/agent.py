@@ -702,6 +702,9 @@ class Agent:
         stuck = self.engine.stuck()
         if stuck:
             return False, "; ".join(stuck)
+        unwatched = self.backend.watch_error()
+        if unwatched:
+            return False, f"XID watch stopped, every health check of a device fails: {unwatched}"
         fenced, failed = self.engine.fenced_devices()
         return True, f"ok: {len(self.store.teardowns)} teardown(s), {fenced} device(s) fenced, {failed} failed"
 

@@ -2,8 +2,8 @@
 
 An agent that cannot see a GPU would fence it and then fail every scrub of it, or, worse, not know it is
 there. Where the container's device access is wrong (an unprivileged container with
-`NVIDIA_VISIBLE_DEVICES` refused, a GPU or MIG capability node not mounted), saying so at start is the
-only useful answer.
+`NVIDIA_VISIBLE_DEVICES` refused, a GPU or MIG capability node not mounted, the capabilities hidden without
+`NVIDIA_MIG_CONFIG_DEVICES=all`, CUDA that cannot open a context), saying so at start is the only useful answer.
 """
 
 from __future__ import annotations
@@ -55,4 +55,12 @@ def require_device_access(node: str, slices: Mapping[DeviceKey, SliceDevice], ba
         raise DeviceAccessError(
             f"node {node}: dynamic MIG devices are published here, and the agent scrubs a released one through "
             f"a GPU instance it creates, but it cannot manage MIG: {problem}. Refusing to start: {ADVICE}"
+        )
+    # Once at start: CUDA, which every scrub runs through, opens a context and runs the kernels.
+    cuda = getattr(backend, "cuda_problem", None)
+    problem = cuda() if wanted and cuda is not None else None
+    if problem:
+        raise DeviceAccessError(
+            f"node {node}: the agent cannot use CUDA, which every scrub needs ({problem}). Refusing to start: "
+            f"{ADVICE}, and that the image's CUDA bindings (scrubgate[gpu]) match the node's driver"
         )

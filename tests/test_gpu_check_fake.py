@@ -15,7 +15,10 @@ import pytest
 CHECK = Path(__file__).parent / "gpu" / "gpu_check.py"
 FAKES = Path(__file__).parent / "fakes"
 MiB = 1 << 20
-STEPS = ["open", "selftest", "scrub", "no-scrub", "bandwidth", "health", "mig"]
+STEPS = ["open", "selftest", "scrub", "no-scrub", "bandwidth", "health", "kernel-log", "mig"]
+# What the driver prints when it loads (kernel-open/nvidia/nv.c, "NVRM: loading %s") and shows in
+# /proc/driver/nvidia/version (nv-procfs.c, "NVRM version: %s").
+NVRM_ID = "NVIDIA UNIX Open Kernel Module for x86_64  595.45.04  Release Build  (dvs-builder@U22)  Tue Mar 3 2026"
 
 
 @pytest.fixture
@@ -25,6 +28,8 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     node = fakegpu.FakeNode(tmp_path / "node")
     driver(node)
+    node.log_kernel("Linux version 6.8.0-90-generic")
+    node.log_kernel(f"NVRM: loading {NVRM_ID}", 4)
     yield node
     sys.modules.pop("fakegpu", None)
 
@@ -35,6 +40,9 @@ def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedPr
     out.mkdir(parents=True, exist_ok=True)
     scrub_on_free = node.data["cuda"].get("scrubOnFree", False)
     params.write_text("RegistryDwords: " + ('""' if scrub_on_free else '"RMDisableScrubOnFree=1"') + "\n")
+    version = out / "driver-version"
+    if not version.exists():
+        version.write_text(f"NVRM version: {NVRM_ID}\nGCC version:  gcc version 12.3.0\n")
     done = subprocess.run(
         [
             sys.executable,
@@ -49,6 +57,7 @@ def run_check(node: Any, out: Path, *extra: str) -> tuple[subprocess.CompletedPr
             "--step-timeout=60",
             f"--driver-params={params}",
             f"--kernel-log={node.kmsg}",
+            f"--driver-version={out / 'driver-version'}",
             f"--out={out}",
             *extra,
         ],
@@ -92,6 +101,56 @@ def test_check_passes_on_a_default_driver_and_still_sees_what_no_scrub_leaves(no
     assert steps["health"]["problems"] == [] and steps["health"]["xidWatch"] == "on"
     assert "skipped" in steps["mig"], "not in MIG mode: nothing to do, and nothing changed"
     assert "canary after agent scrub" in done.stdout and "PASS" in done.stdout
+
+
+def test_the_check_reports_versions_card_settings_host_memory_and_every_canary(node, tmp_path):
+    """What the first run on a GPU must tell: NVML and CUDA versions, persistence and GSP state (read, never
+    changed), the scrub's device and wall time and its process's host memory, the time of each step, every
+    canary, and whether the kernel log is the host's; in one run, under 5 minutes by default."""
+    node.add_gpu(memory=96 * MiB, persistenceMode=0)
+    done, report = run_check(node, tmp_path / "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    versions, card = report["versions"], report["card"]
+    assert (versions["driver"], versions["nvml"], versions["cudaDriverVersion"]) == ("595.45.04", "13.595.45.04", 13000)
+    assert {"nvidia-ml-py", "cuda-bindings", "python", "kernel"} <= set(versions)
+    assert (
+        card["persistenceMode"] == 0 and card["gspFirmwareMode"] == [1, 1] and card["gspFirmwareVersion"] == "595.45.04"
+    )
+    assert card["architecture"] == 9 and card["migMode"] == [0, 0] and card["eccMode"] == [1, 1]
+    assert report["steps"]["selftest"]["cudaDriverVersion"] == 13000
+    assert report["steps"]["selftest"]["agentStartCheck"] is None
+    scrub = report["steps"]["scrub"]["scrub"]
+    assert scrub["host_rss_bytes"] > MiB and 0 < scrub["kernel_s"] <= scrub["duration_s"]
+    assert all(s["seconds"] >= 0 for s in report["steps"].values())
+    canaries = report["canaries"]
+    assert canaries["afterAgentScrub"] == canaries["residentAfterAgentPass"] == canaries["withoutAgentScrub"] == 0
+    found, planted = canaries["residentWithoutScrubFoundOfPlanted"]
+    assert found == planted > 0 and canaries["selftestWordsPlantedFound"] == [6, 6]
+    log = report["steps"]["kernel-log"]
+    assert log["host"] is True and log["driverLoaded"] == NVRM_ID and log["firstSeq"] == 0
+    assert report["limits"]["totalS"] + report["limits"]["graceS"] < 300, "under 5 minutes by default"
+    assert "host memory" in done.stdout and "host's: True" in done.stdout
+
+
+def test_a_kernel_log_of_another_kernel_is_reported_as_not_the_hosts(node, tmp_path):
+    node.add_gpu(memory=96 * MiB)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "driver-version").write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.126.20\n")
+    done, report = run_check(node, out)
+    assert report["steps"]["kernel-log"]["host"] is False and done.returncode == 0, "reported, not failed"
+
+
+def test_a_step_stuck_in_the_driver_where_no_signal_reaches_is_abandoned_with_the_others_on_record(node, tmp_path):
+    node.add_gpu(memory=96 * MiB)
+    node.data["nvmlHang"] = "nvmlDeviceGetRemappedRows"  # only health() reads it, in the check's own process
+    node.save()
+    done, report = run_check(node, tmp_path / "out", "--step-timeout=8")
+    steps = report["steps"]
+    assert done.returncode == 1 and not report["pass"]
+    assert not steps["health"]["ok"] and "hung past its 8s limit" in steps["health"]["error"]
+    assert steps["scrub"]["ok"] and steps["bandwidth"]["ok"], "the steps before it are on record"
+    assert "FAIL" in done.stdout
 
 
 def test_with_scrub_on_free_off_the_next_process_finds_the_canary_and_the_agent_fails_closed(node, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -183,96 +184,6 @@ def test_health_without_ecc_row_remapping_or_recovery_field(node, open_nvml):
     assert health.healthy
 
 
-def test_xids_are_classified_as_nvidias_driver_does(node, open_nvml):
-    gpu = node.add_gpu()
-    backend = open_nvml(watch_xids=True)
-    for xid in (13, 31, 43, 45, 68, 109, 62, 154):  # application faults, then two that are not
-        node.log_xid(gpu["uuid"], xid)
-    assert wait_for(lambda: len(backend.health(gpu["uuid"], 0).xids) == 2)
-    assert backend.health(gpu["uuid"], 0).xids == (62, 154)
-
-
-def test_mig_xids_belong_to_their_gpu_instance(node, open_nvml):
-    gpu = node.add_gpu(mig=[8 * MiB, 8 * MiB])
-    first, second = gpu["migs"]
-    backend = open_nvml(watch_xids=True)
-    node.log_xid(gpu["uuid"], 94, gpu_instance=first["gi"])
-    assert wait_for(lambda: backend.health(first["uuid"], 0).xids) == (94,)
-    assert backend.health(second["uuid"], 0).xids == (), "a sibling's contained ECC error is not ours"
-    assert backend.health(gpu["uuid"], 0).xids == (94,), "the whole GPU's memory includes it"
-    node.log_xid(gpu["uuid"], 79)  # the whole GPU: every MIG device
-    assert wait_for(lambda: backend.health(second["uuid"], 0).xids) == (79,)
-
-
-def test_xids_of_a_deleted_dynamic_mig_device_stay_with_its_placement(node, open_nvml):
-    gpu = node.add_gpu(mig=[])
-    tenant = node.create_mig(gpu, "15", start=2)
-    node.create_mig(gpu, "19", start=5)
-    backend = open_nvml(watch_xids=True)
-    node.log_xid(gpu["uuid"], 94, gpu_instance=tenant["gi"])
-    assert wait_for(lambda: backend.health(tenant["uuid"], 0).xids) == (94,)
-    node.delete_mig(tenant["uuid"])  # unprepared: the GPU instance is gone, the event stays with its slices
-    assert backend.placement_health(MigPlacement(gpu["uuid"], 15, 2, 2), 0).xids == (94,)
-    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 3, 1), 0).xids == (94,), "slice 3 was its"
-    assert backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids == (), "a neighbour's is not"
-    node.log_xid(gpu["uuid"], 79)
-    assert wait_for(lambda: backend.placement_health(MigPlacement(gpu["uuid"], 19, 5, 1), 0).xids) == (79,)
-
-
-def test_xids_are_read_from_the_kernel_log_as_nvidias_driver_writes_them(node, open_nvml):
-    """Other lines, continuation lines, an address of no GPU of ours (a 5-digit PCI domain too: it counts against
-    every GPU), and the backlog from before the agent started, dated by the kernel's clock."""
-    gpu = node.add_gpu()
-    other = node.add_gpu()
-    node.log_xid(gpu["uuid"], 79)  # before the agent started
-    long_ago = int((time.monotonic() - 300) * 1e6)
-    with node.kmsg.open("a") as log:
-        log.write("6,2,5,-;eth0: link up\n SUBSYSTEM=net\n")
-        log.write(f"4,3,{long_ago},-;NVRM: Xid (PCI:10000:3b:00): 48, An uncorrectable double bit error\n")
-    backend = open_nvml(watch_xids=True)
-    assert wait_for(lambda: backend.health(other["uuid"], 0).xids) == (48,), "no GPU of ours: counts for each"
-    assert backend.health(gpu["uuid"], 0).xids == (79, 48)
-    assert backend.health(gpu["uuid"], time.time() - 60).xids == (79,), "five minutes ago by the kernel's clock"
-    logged = time.time()
-    node.log_xid(other["uuid"], 62)
-    assert wait_for(lambda: backend.health(other["uuid"], logged).xids) == (62,)
-    assert backend.health(gpu["uuid"], logged).xids == ()
-
-
-class _KernelLogFault:
-    """The `os` the XID watch reads through, with one read failing as given."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error: Exception | None = error
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def read(self, fd: int, size: int) -> bytes:
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
-        return os.read(fd, size)
-
-
-def test_records_the_kernel_overwrote_unread_fail_health_checks_since_then(node, open_nvml, monkeypatch):
-    gpu = node.add_gpu()
-    before = time.time() - 1
-    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.xid.os", _KernelLogFault(BrokenPipeError(32, "EPIPE")))
-    backend = open_nvml(watch_xids=True)
-    node.log_xid(gpu["uuid"], 79)
-    assert wait_for(lambda: failing_health(backend, gpu["uuid"], before)), "XIDs since then are unknown"
-    assert "overwrote records" in failing_health(backend, gpu["uuid"], before)
-    assert backend.health(gpu["uuid"], time.time() + 1).xids == (), "later allocations are checked as ever"
-
-
-def test_a_watch_that_dies_of_an_unexpected_error_fails_health_checks(node, open_nvml, monkeypatch):
-    gpu = node.add_gpu()
-    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.xid.os", _KernelLogFault(RuntimeError("unexpected")))
-    backend = open_nvml(watch_xids=True)
-    assert "RuntimeError('unexpected')" in (wait_for(lambda: failing_health(backend, gpu["uuid"], 0)) or "")
-
-
 def test_a_gpu_without_persistence_mode_is_named_at_start(node, open_nvml, caplog):
     node.add_gpu()
     lone = node.add_gpu(persistenceMode=0)
@@ -308,34 +219,6 @@ def test_the_ecc_baseline_outlives_an_agent_restart(node, open_nvml, tmp_path):
     later = open_nvml(ecc_history_path=history)
     assert later.health(gpu["uuid"], allocated).ecc_uncorrectable_volatile == 0
     assert [c for _, c in json.loads(history.read_text())[gpu["uuid"]]] == [0], "a new history after the reload"
-
-
-def test_critical_xids_since_a_time_are_reported_per_gpu(node, open_nvml):
-    gpu = node.add_gpu(mig=[8 * MiB])
-    other = node.add_gpu()
-    backend = open_nvml(watch_xids=True)
-    node.log_xid(gpu["uuid"], 13)  # the tenant's own fault: not critical
-    node.log_xid(gpu["uuid"], 79)
-    mig = gpu["migs"][0]["uuid"]
-    assert wait_for(lambda: backend.health(mig, 0).xids) == (79,)
-    assert backend.health(gpu["uuid"], 0).xids == (79,)
-    assert backend.health(other["uuid"], 0).xids == ()
-    assert backend.health(gpu["uuid"], time.time() + 1).xids == ()
-
-
-def failing_health(backend: NvmlBackend, uuid: str, since: float) -> str | None:
-    """Why the health check fails (GpuError), or None when it answers."""
-    try:
-        backend.health(uuid, since)
-    except GpuError as exc:
-        return str(exc)
-    return None
-
-
-def test_a_kernel_log_that_cannot_be_read_fails_health_checks(node, open_nvml, tmp_path):
-    gpu = node.add_gpu()
-    backend = open_nvml(watch_xids=True, kernel_log=tmp_path)  # opens, but every read fails (EISDIR)
-    assert "Is a directory" in (wait_for(lambda: failing_health(backend, gpu["uuid"], 0)) or "")
 
 
 # ---------------------------------------------------------------- scrub
@@ -563,8 +446,9 @@ def test_a_scrubber_that_reports_nonsense_fails_closed(node, open_nvml, tmp_path
     gpu = node.add_gpu()
     liar = tmp_path / "liar.py"
     liar.write_text('print(\'{"bytesScrubbed": "all of it", "nonzeroWords": 0}\')\n')
-    monkeypatch.setattr("scrubgate.sanitizer_agent.gpu.nvml.SCRUB_SCRIPT", liar)
-    result = open_nvml().scrub(gpu["uuid"])
+    backend = open_nvml()
+    monkeypatch.setattr(backend._child, "script", liar)
+    result = backend.scrub(gpu["uuid"])
     assert not result.verified and "malformed report" in result.reason
 
 
@@ -576,9 +460,15 @@ def test_a_node_without_a_readable_kernel_log_says_how_to_run_without_it(node, o
 
 
 def nvidias_driver_holding_nvml(node: Any) -> subprocess.Popen[str]:
-    """A process with NVML open until its stdin closes, as NVIDIA's DRA driver keeps it with DynamicMIG."""
+    """A process with NVML open and every GPU attached until its stdin closes, as NVIDIA's DRA driver keeps them with
+    DynamicMIG (k8s-dra-driver-gpu cmd/gpu-kubelet-plugin/nvlib.go: Init once, a handle per GPU, cached)."""
+    hold = (
+        "import pynvml, sys; pynvml.nvmlInit(); "
+        "[pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]; "
+        "print('open', flush=True); sys.stdin.read()"
+    )
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import pynvml, sys; pynvml.nvmlInit(); print('open', flush=True); sys.stdin.read()"],
+        [sys.executable, "-c", hold],
         env={**os.environ, **node.env},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -588,38 +478,123 @@ def nvidias_driver_holding_nvml(node: Any) -> subprocess.Popen[str]:
     return holder
 
 
-def mig_off_from_another_process(node: Any, uuid: str) -> subprocess.CompletedProcess[str]:
-    """What NVIDIA's driver does, in its own process, after deleting a GPU's last MIG device."""
+def nvidias_driver_turns_mig_off(node: Any, uuid: str) -> tuple[int, int, int]:
+    """NVIDIA's driver's maybeDisableMigMode (nvlib.go), in its own process, after deleting a GPU's last MIG device:
+    nvmlDeviceSetMigMode(DISABLE), whose activationStatus says whether it took. (activationStatus, current mode,
+    pending mode) afterwards."""
     toggle = (
         "import pynvml, sys; pynvml.nvmlInit(); gpu = pynvml.nvmlDeviceGetHandleByUUID(sys.argv[1]); "
-        "pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)"
+        "print(pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE), *pynvml.nvmlDeviceGetMigMode(gpu))"
     )
     env = {**os.environ, **node.env}
-    return subprocess.run([sys.executable, "-c", toggle, uuid], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", toggle, uuid], env=env, capture_output=True, text=True, check=True)
+    status, current, pending = (int(n) for n in done.stdout.split())
+    return status, current, pending
+
+
+IN_USE = 19  # NVML_ERROR_IN_USE
 
 
 def test_an_idle_backend_leaves_nvml_closed_so_nvidias_driver_can_change_mig_modes(node, open_nvml):
     """With DynamicMIG, NVIDIA's driver turns MIG on for a GPU's first MIG device and off after its last; NVML
-    refuses that while another process holds a session. The agent, idle between teardowns, holds none: not for
-    its XID watch, not after an operation."""
+    reports that as "in use" (in the activationStatus it returns) while another process has the GPU attached. The
+    agent, idle between teardowns, holds none: not for its XID watch, not after an operation."""
     gpu = node.add_gpu(mig=[])
     backend = open_nvml(watch_xids=True)
     assert backend.list_devices() and backend.health(gpu["uuid"], 0).healthy
-    driver = mig_off_from_another_process(node, gpu["uuid"])
-    assert driver.returncode == 0, driver.stderr
-    assert gpu_record(gpu["uuid"])["migMode"] == 0
+    assert nvidias_driver_turns_mig_off(node, gpu["uuid"]) == (0, 0, 0)
+    node.data["gpus"][0].update(migMode=1, migModePending=1)  # on again; NVIDIA's driver holding NVML now
+    node.save()
     holder = nvidias_driver_holding_nvml(node)
     try:
-        refused = mig_off_from_another_process(node, gpu["uuid"])
+        assert nvidias_driver_turns_mig_off(node, gpu["uuid"]) == (IN_USE, 1, 1), "the call succeeds, the change not"
     finally:
         holder.communicate("")
-    assert "In use by another client" in refused.stderr, "the fake refuses while another process holds NVML"
+
+
+def test_nvidias_driver_changes_a_gpus_mig_mode_while_the_agent_works_on_another(node, open_nvml, monkeypatch):
+    """A teardown's NVML session attaches its own GPU only (nvmlDeviceGetHandleByPciBusId), not every GPU of the
+    node: NVIDIA's driver's MIG mode change of any other GPU goes through meanwhile."""
+    busy = node.add_gpu()
+    other = node.add_gpu(mig=[])
+    backend = open_nvml()
+    pynvml = fake_nvml()
+    changed: list[tuple[int, int, int]] = []
+    listing = pynvml.nvmlDeviceGetComputeRunningProcesses
+
+    def meanwhile(handle: Any) -> Any:
+        changed.append(nvidias_driver_turns_mig_off(node, other["uuid"]))
+        return listing(handle)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", meanwhile)
+    assert backend.processes(busy["uuid"]) == []
+    assert changed == [(0, 0, 0)] and gpu_record(other["uuid"])["migMode"] == 0
+
+
+def test_each_operation_attaches_only_the_gpu_it_is_about(node, open_nvml, monkeypatch):
+    """nvml.h: nvmlInit_v2 attaches no GPU, a handle lookup attaches its GPU (by UUID, maybe others as it searches),
+    and an attached GPU stays so until nvmlShutdown. Only the inventory at start attaches every GPU (and NVML's
+    own search, for a static MIG device made since)."""
+    gpus = [node.add_gpu(memory=16 * MiB) for _ in range(3)]
+    split = node.add_gpu(mig=[])
+    mig = node.create_mig(split, "19", start=0)["uuid"]
+    backend = open_nvml(watch_xids=True)
+    # Dynamic MIG devices, made after the agent started: NVIDIA's driver prepares one, and deletes another.
+    node.create_mig(split, "19", start=1)
+    node.delete_mig(node.create_mig(split, "15", start=2)["uuid"])
+    deleted = MigPlacement(split["uuid"], 15, 2, 2)
+    fakegpu = sys.modules["fakegpu"]
+    attached: list[str] = []
+    attach = fakegpu.attach
+    monkeypatch.setattr(fakegpu, "attach", lambda uuid: (attached.append(uuid), attach(uuid)))
+    target = gpus[1]["uuid"]
+    placement = MigPlacement(split["uuid"], 19, 1, 1)
+    operations = {
+        target: [
+            lambda: backend.processes(target),
+            lambda: backend.health(target, 0),
+            lambda: backend.scrub(target),
+        ],
+        split["uuid"]: [
+            lambda: backend.processes(mig),
+            lambda: backend.health(mig, 0),
+            lambda: backend.placement_processes(placement),
+            lambda: backend.placement_health(placement, 0),
+            lambda: backend.scrub_placement(placement),
+            lambda: backend.scrub_placement(deleted),  # through the scrub's own GPU instance
+        ],
+    }
+    for gpu_uuid, calls in operations.items():
+        for call in calls:
+            attached.clear()
+            result = call()
+            assert getattr(result, "verified", True), result.reason
+            assert set(attached) == {gpu_uuid}, call
+
+
+def test_the_ecc_sampler_opens_one_short_window_per_gpu(node, open_nvml, monkeypatch):
+    """Each minute's ECC sample attaches one GPU at a time; a GPU without persistence mode not at all (each attach
+    would initialise it again and reset the counters the sample reads)."""
+    gpus = [node.add_gpu() for _ in range(3)]
+    node.add_gpu(persistenceMode=0)
+    backend = open_nvml()
+    pynvml, fakegpu = fake_nvml(), sys.modules["fakegpu"]
+    windows: list[set[str]] = []
+    shutdown = pynvml.nvmlShutdown
+
+    def closing() -> None:
+        windows.append(fakegpu.attached(os.getpid()))
+        shutdown()
+
+    monkeypatch.setattr(pynvml, "nvmlShutdown", closing)
+    backend._sample_ecc()
+    assert windows == [{g["uuid"]} for g in gpus]
 
 
 @pytest.mark.parametrize("way", ["whole GPU", "MIG off again", "live MIG device", "scratch instance"])
 def test_nvml_is_closed_while_a_scrub_runs(node, open_nvml, monkeypatch, way):
-    """A scrub takes minutes on a large GPU; NVML open all that time would hold off the driver's MIG mode changes
-    on every GPU of the node. Each way a device or a placement is scrubbed runs the scrub with NVML closed."""
+    """NVML open while the scrub's child runs (its start, CUDA's, the allocation: seconds) would hold off the
+    driver's MIG mode changes of the GPU. Each way a device or a placement is scrubbed runs it with NVML closed."""
     gpu = node.add_gpu(mig=None if way == "whole GPU" else [])
     if way == "MIG off again":
         node.data["gpus"][0]["migMode"] = 0
@@ -629,13 +604,13 @@ def test_nvml_is_closed_while_a_scrub_runs(node, open_nvml, monkeypatch, way):
     backend = open_nvml()
     own_session = node.root / "nvml-sessions" / str(os.getpid())
     open_during: list[bool] = []
-    run_child = backend._run_child
+    run_child = backend._child.run
 
-    def watched(uuid: str) -> Any:
+    def watched(uuid: str, args: list[str]) -> Any:
         open_during.append(own_session.exists())
-        return run_child(uuid)
+        return run_child(uuid, args)
 
-    monkeypatch.setattr(backend, "_run_child", watched)
+    monkeypatch.setattr(backend._child, "run", watched)
     if way == "whole GPU":
         result = backend.scrub(gpu["uuid"])
     else:
@@ -672,18 +647,38 @@ def test_a_deleted_dynamic_mig_device_is_scrubbed_through_a_gpu_instance_at_its_
     assert after["migMode"] == 1, "another MIG device is there: MIG stays on"
 
 
-def test_the_last_scratch_instance_leaves_the_gpu_out_of_mig_mode_as_the_driver_would(node, open_nvml):
-    """NVIDIA's driver turns MIG off when it deletes a MIG device and finds none left: here it found the scrub's
-    GPU instance (the other tenant's device was deleted while it stood), so the scrub turns MIG off after it,
-    or the next whole-GPU tenant would get a GPU CUDA cannot use as a whole."""
+@pytest.mark.parametrize("driver_holds_nvml", [True, False])
+def test_a_scratch_instance_that_was_its_gpus_last_leaves_mig_mode_to_nvidias_driver(
+    node, open_nvml, monkeypatch, caplog, driver_holds_nvml
+):
+    """NVIDIA's driver turns MIG off when it deletes a GPU's last MIG device; here it found the scrub's GPU instance
+    (the other tenant's device went while it stood) and left MIG on. Under DynamicMIG the driver holds NVML, so
+    another process's nvmlDeviceSetMigMode only reports IN_USE in its activationStatus: the agent never calls it.
+    The placement is verified; the GPU stays in MIG mode, said so in the log, until the driver's next MIG deletion
+    there or its restart turns it off, which nothing of the agent's holds up."""
     gpu = node.add_gpu(mig=[])
     tenant = node.create_mig(gpu, "19", start=1)
     node.fill(tenant["uuid"], CANARY)
     node.delete_mig(tenant["uuid"])
-    assert gpu_record(gpu["uuid"])["migMode"] == 1 and not gpu_record(gpu["uuid"])["gis"]
-    assert open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1)).verified
+    backend = open_nvml()
+    changes: list[tuple[Any, int]] = []
+    monkeypatch.setattr(fake_nvml(), "nvmlDeviceSetMigMode", lambda device, mode: changes.append((device, mode)))
+    holder = nvidias_driver_holding_nvml(node) if driver_holds_nvml else None
+    try:
+        result = backend.scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
+    finally:
+        if holder is not None:
+            holder.communicate("")
+    assert result.verified, result.reason
+    leftover = (node.root / "mem" / tenant["memoryFile"]).read_bytes()
+    assert leftover.count(CANARY) * len(CANARY) <= result.bytes_unreachable
+    assert changes == [], "the agent does not change MIG modes"
     after = gpu_record(gpu["uuid"])
-    assert after["migMode"] == 0 and not after["gis"]
+    assert after["migMode"] == 1 and not after["gis"]
+    said = [r.getMessage() for r in caplog.records if gpu["uuid"] in r.getMessage()]
+    assert any("left in MIG mode with no MIG device" in m and "NVIDIA's DRA kubelet plugin" in m for m in said)
+    assert not any("MIG mode off" in m for m in said)
+    assert nvidias_driver_turns_mig_off(node, gpu["uuid"]) == (0, 0, 0)
 
 
 def in_a_container(node: Any) -> Any:
@@ -747,27 +742,6 @@ def test_the_start_up_check_makes_the_mig_config_node_and_opens_it(node, open_nv
     capabilities.devices.write_text("Character devices:\n195 nvidia\n")
     (capabilities.dev / "nvidia-cap1").unlink()
     assert "names no nvidia-caps device major" in (backend.mig_management_problem() or "")
-
-
-def test_a_gpu_the_scrub_cannot_take_out_of_mig_mode_fails_closed_and_says_what_to_do(node, open_nvml):
-    """With NVIDIA's driver holding NVML (DynamicMIG), the scrub cannot turn MIG off after its own instance, the
-    last on the GPU: the memory is clean, but a whole-GPU tenant would get a GPU in MIG mode. Fail closed, and
-    name the remedy: the driver's plugin turns MIG off at start on every GPU with no MIG device."""
-    gpu = node.add_gpu(mig=[])
-    tenant = node.create_mig(gpu, "19", start=1)
-    node.fill(tenant["uuid"], CANARY)
-    node.delete_mig(tenant["uuid"])
-    holder = nvidias_driver_holding_nvml(node)
-    try:
-        result = open_nvml().scrub_placement(MigPlacement(gpu["uuid"], 19, 1, 1))
-    finally:
-        holder.communicate("")
-    assert not result.verified
-    assert "another process holds NVML" in result.reason and "Restart NVIDIA's DRA kubelet plugin" in result.reason
-    after = gpu_record(gpu["uuid"])
-    assert after["migMode"] == 1 and not after["gis"], "the scrub's instance is gone; MIG mode is as it was"
-    leftover = (node.root / "mem" / tenant["memoryFile"]).read_bytes()
-    assert leftover.count(CANARY) * len(CANARY) < len(leftover) // 4, "scrubbed all the same"
 
 
 def test_a_scratch_instance_nvidias_driver_tears_down_mid_scrub_is_scrubbed_again(node, open_nvml):
@@ -843,10 +817,9 @@ def test_processes_on_a_placement_are_those_of_overlapping_mig_devices(node, ope
 def test_scrub_processes_at_once_are_bounded(node, open_nvml, monkeypatch):
     """Sixteen teardowns may scrub at once, but each scrub is a process with a CUDA context of a few hundred MB
     of host memory: at most max_parallel_scrubs run together inside the DaemonSet's memory limit, the rest wait."""
-    import subprocess
     import threading
 
-    from scrubgate.sanitizer_agent.gpu import nvml as nvml_backend
+    from scrubgate.sanitizer_agent.gpu import child
 
     gpus = [node.add_gpu(memory=32 * MiB) for _ in range(6)]
     running, most, lock = 0, 0, threading.Lock()
@@ -864,7 +837,7 @@ def test_scrub_processes_at_once_are_bounded(node, open_nvml, monkeypatch):
             with lock:
                 running -= 1
 
-    monkeypatch.setattr(nvml_backend.subprocess, "run", counted)
+    monkeypatch.setattr(child.subprocess, "run", counted)
     backend = open_nvml(max_parallel_scrubs=2)
     results: list[Any] = []
     threads = [threading.Thread(target=lambda g=g: results.append(backend.scrub(g["uuid"]))) for g in gpus]
@@ -874,3 +847,43 @@ def test_scrub_processes_at_once_are_bounded(node, open_nvml, monkeypatch):
         thread.join(timeout=120)
     assert len(results) == 6 and all(r.verified for r in results)
     assert most == 2
+
+
+# ---------------------------------------------------------------- the start-up check of CUDA
+
+
+def test_the_start_up_check_opens_a_cuda_context_once_on_an_idle_device(node, open_nvml, monkeypatch):
+    """Once, at start, on a device no tenant holds: a broken CUDA setup is named before the first teardown needs
+    it. The child opens the context and runs the kernels on a small buffer, nothing more."""
+    node.add_gpu(processes={"compute": [[4242, MiB]], "graphics": [], "mps": []})
+    split = node.add_gpu(mig=[8 * MiB])
+    idle = node.add_gpu()
+    backend = open_nvml()
+    runs: list[tuple[str, list[str]]] = []
+    run = backend._child.run
+    monkeypatch.setattr(backend._child, "run", lambda uuid, args: (runs.append((uuid, args)), run(uuid, args))[1])
+    assert backend.cuda_problem() is None
+    assert runs == [(idle["uuid"], ["--check"])], "a whole GPU no process holds, out of MIG mode"
+    node.data["gpus"][2]["processes"]["compute"] = [[4343, MiB]]
+    node.save()
+    runs.clear()
+    assert backend.cuda_problem() is None and runs == [(split["migs"][0]["uuid"], ["--check"])], "else a MIG device"
+    node.data["cuda"] = {"fail": {"cuDevicePrimaryCtxRetain": "CUDA_ERROR_OUT_OF_MEMORY"}}
+    node.save()
+    problem = backend.cuda_problem() or ""
+    assert "cuDevicePrimaryCtxRetain" in problem and "CUDA_ERROR_OUT_OF_MEMORY" in problem
+
+
+def test_with_every_device_held_the_cuda_check_waits_for_the_first_scrub(node, open_nvml, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    node.add_gpu(processes={"compute": [[4242, MiB]], "graphics": [], "mps": []})
+    backend = open_nvml()
+    monkeypatch.setattr(backend._child, "run", lambda uuid, args: pytest.fail("no device to check on"))
+    assert backend.cuda_problem() is None
+    assert any("no idle device for the CUDA check" in r.getMessage() for r in caplog.records)
+
+
+def test_the_scrub_reports_its_host_memory(node, open_nvml):
+    gpu = node.add_gpu(memory=16 * MiB)
+    result = open_nvml().scrub(gpu["uuid"])
+    assert result.verified and result.host_rss_bytes is not None and result.host_rss_bytes > MiB

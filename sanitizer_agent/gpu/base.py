@@ -140,6 +140,8 @@ class ScrubResult:
     # runs with ECC (None: could not be read).
     scrub_on_free: bool | None = None
     ecc_enabled: bool | None = None
+    # Peak host memory of the scrub's process (its CUDA context, the driver's): None where not measured.
+    host_rss_bytes: int | None = None
 
     @property
     def gbps(self) -> float:
@@ -168,8 +170,8 @@ class GpuBackend(Protocol):
         ...
 
     def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
-        """As ``health`` of the placement's GPU, with only the XIDs of GPU instances on its memory slices
-        (and of the whole GPU); raises GpuError."""
+        """As ``health`` of the placement's GPU (its XIDs included: the driver names no GPU instance in them);
+        raises GpuError."""
         ...
 
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
@@ -184,6 +186,11 @@ class GpuBackend(Protocol):
 
     def scrub_on_free_disabled(self) -> bool | None:
         """The kernel driver's RMDisableScrubOnFree setting; None when it cannot be read."""
+        ...
+
+    def watch_error(self) -> str | None:
+        """Why what the backend watches on its own (the kernel log's XIDs) is no longer watched, or None: the
+        agent's health check fails on it."""
         ...
 
     def close(self) -> None:

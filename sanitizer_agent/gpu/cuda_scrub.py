@@ -1,7 +1,8 @@
 """Zero and verify one GPU's free memory through the CUDA driver API, in a process of its own.
 
 Run as ``python cuda_scrub.py`` with ``CUDA_VISIBLE_DEVICES=<GPU or MIG UUID>``: it prints one JSON
-object on stdout (see ``scrub``) and exits 0 when it could report, 1 otherwise. A child process per
+object on stdout (see ``scrub``) and exits 0 when it could report, 1 otherwise. With ``--check`` it only opens
+the context and runs the kernels on a small buffer (``check``): the agent's start-up check. A child process per
 scrub keeps the agent free of CUDA state: a crashed or hung scrub is killed without taking the agent
 along, and the driver releases everything the scrub held when the child exits.
 
@@ -16,6 +17,7 @@ import array
 import ctypes
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -323,11 +325,23 @@ def scrub(
     return report
 
 
+def check(cuda: Cuda) -> dict[str, Any]:
+    """The context, the kernels (and which loaded), a warm-up on 2 MiB: what a scrub needs before it allocates."""
+    ctx = cuda.open()
+    return {"kernels": ctx.kernels, "kernelErrors": ctx.kernel_errors}
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     parser.add_argument("--min-chunk-bytes", type=int, default=DEFAULT_MIN_CHUNK_BYTES)
     parser.add_argument("--margin-bytes", type=int, default=DEFAULT_MARGIN_BYTES)
+    parser.add_argument("--check", action="store_true", help="open the context and run the kernels only")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"device": os.environ.get("CUDA_VISIBLE_DEVICES")}
     if args.min_chunk_bytes < WORD or args.chunk_bytes < args.min_chunk_bytes or args.chunk_bytes % WORD:
@@ -341,11 +355,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 1
     try:
-        report.update(scrub(cuda, args.chunk_bytes, args.min_chunk_bytes, args.margin_bytes))
+        report["cudaDriverVersion"] = cuda.call("cuDriverGetVersion")
+        if args.check:
+            report.update(check(cuda))
+        else:
+            report.update(scrub(cuda, args.chunk_bytes, args.min_chunk_bytes, args.margin_bytes))
     except CudaError as exc:
         report.update(error=str(exc), code=exc.code)
     except Exception as exc:  # the bindings raise their own types, e.g. when libcuda is missing
         report["error"] = f"{type(exc).__name__}: {exc}"
+    report["maxRssBytes"] = max_rss_bytes()
     print(json.dumps(report))
     return 1 if "error" in report else 0
 

@@ -6,6 +6,16 @@ those memory slices), one compute instance in it (CUDA needs one to see the devi
 that appears, and destroys both. Creating and destroying GPU instances needs the MIG management
 capability: root in the host's view, or read access to `/proc/driver/nvidia/capabilities/mig/config`
 (the DaemonSet's comment says why the agent is privileged).
+
+The agent never changes a GPU's MIG mode. Under DynamicMIG NVIDIA's DRA driver owns it: it turns MIG on for a
+GPU's first MIG device and off after deleting its last (and, when it starts, on every GPU with none), and it
+holds NVML for its lifetime, so another process's nvmlDeviceSetMigMode only reports "in use by another client"
+in its activationStatus (k8s-dra-driver-gpu cmd/gpu-kubelet-plugin/nvlib.go, Init and maybeDisableMigMode;
+nvml.h, nvmlDeviceSetMigMode). Where the scrub's GPU instance was the last on its GPU (the driver deleted the
+others meanwhile, and left MIG on because ours was there), the GPU stays in MIG mode with no MIG device until
+the driver deletes another MIG device there or restarts; the memory is verified all the same, and the agent
+says so in its log (`_left_in_mig_mode`). On Ampere the driver never turns MIG off (a pending disable waits for
+a GPU reset) and does not offer such a GPU whole.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import logging
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -34,6 +45,19 @@ def _mknod(path: Path, major: int, minor: int) -> None:
     os.mknod(path, stat.S_IFCHR | 0o400, os.makedev(major, minor))
 
 
+def _device_of(path: Path) -> tuple[int, int] | None:
+    """(major, minor) of a character device node; None when there is none at `path`."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (os.major(found.st_rdev), os.minor(found.st_rdev)) if stat.S_ISCHR(found.st_mode) else None
+
+
+# One node made at a time: a scrub must not remove the node another one just made.
+_making = threading.Lock()
+
+
 @dataclass(frozen=True)
 class CapabilityNodes:
     """The `/dev/nvidia-caps/nvidia-cap<minor>` nodes a process needs: the MIG config capability to create GPU
@@ -44,29 +68,51 @@ class CapabilityNodes:
     (by the agent's scrub, or by NVIDIA's DRA driver for a dynamic MIG claim) are not in it, and the NVIDIA
     container runtime keeps the driver from creating them (NVreg_ModifyDeviceFiles). So the agent makes the
     ones it needs itself, with mknod, as NVIDIA's driver gives its workload containers theirs through CDI; the
-    privileged container's device cgroup lets it open them."""
+    privileged container's device cgroup lets it open them.
+
+    The nvidia-caps major is the kernel's choice at each driver load: a node made before a driver reload names a
+    device that is no longer there (or another one), so the major is read again each time and a node with
+    another number is made again."""
 
     proc: Path = PROC_CAPABILITIES
     dev: Path = CAPS_DEVICE_DIR
     devices: Path = PROC_DEVICES
     mknod: Callable[[Path, int, int], None] = _mknod
+    device_of: Callable[[Path], tuple[int, int] | None] = _device_of
 
     def node(self, access_file: Path) -> Path:
-        """The node of the capability `access_file` describes, made when missing; raises GpuError."""
+        """The node of the capability `access_file` describes, made when missing or stale; raises GpuError."""
         try:
             text = access_file.read_text()
         except OSError as exc:
             raise GpuError(
-                f"cannot read {access_file} ({exc.strerror or exc}); the driver has no MIG or /proc is not the host's"
+                f"cannot read {access_file} ({exc.strerror or exc}): the driver has no MIG, /proc is not the host's, "
+                "or the NVIDIA container runtime hid the capabilities (it shows /proc/driver/nvidia/capabilities only "
+                "to a container with NVIDIA_MIG_CONFIG_DEVICES=all, which manifests/agent-daemonset.yaml sets)"
             ) from exc
         match = re.search(r"DeviceFileMinor:\s*(\d+)", text)
         if match is None:
             raise GpuError(f"{access_file} names no DeviceFileMinor")
-        node = self.dev / f"nvidia-cap{match.group(1)}"
-        if node.exists():
-            return node
+        minor = int(match.group(1))
+        node = self.dev / f"nvidia-cap{minor}"
+        major = self._major()
+        with _making:
+            if self.device_of(node) == (major, minor):
+                return node
+            try:
+                self.dev.mkdir(parents=True, exist_ok=True)
+                node.unlink(missing_ok=True)  # made for an earlier driver load, or not a device
+                self.mknod(node, major, minor)
+            except OSError as exc:
+                raise GpuError(
+                    f"cannot create {node} ({exc.strerror or exc}): the agent needs the privileged securityContext "
+                    "(CAP_MKNOD) to reach MIG devices created after it started"
+                ) from exc
+        return node
+
+    def _major(self) -> int:
         try:
-            major = next(
+            return next(
                 int(fields[0])
                 for fields in (line.split() for line in self.devices.read_text().splitlines())
                 if len(fields) == 2 and fields[1] == "nvidia-caps"
@@ -75,17 +121,6 @@ class CapabilityNodes:
             raise GpuError(
                 f"{self.devices} names no nvidia-caps device major ({exc}); is the NVIDIA driver loaded?"
             ) from exc
-        try:
-            self.dev.mkdir(parents=True, exist_ok=True)
-            self.mknod(node, major, int(match.group(1)))
-        except FileExistsError:
-            pass  # another scrub made it meanwhile
-        except OSError as exc:
-            raise GpuError(
-                f"cannot create {node} ({exc.strerror or exc}): the agent needs the privileged securityContext "
-                "(CAP_MKNOD) to reach MIG devices created after it started"
-            ) from exc
-        return node
 
     def opens(self, node: Path) -> str | None:
         """Why `node` cannot be opened, or None."""
@@ -158,17 +193,21 @@ def live_instances(nvml: Any, gpu: Any) -> list[LiveInstance]:
 
 @contextmanager
 def scratch_instance(
-    nvml: Any, session: Callable[[], AbstractContextManager[None]], placement: MigPlacement
+    nvml: Any,
+    session: Callable[[], AbstractContextManager[None]],
+    placement: MigPlacement,
+    gpu_of: Callable[[str], Any],
 ) -> Iterator[str]:
     """A GPU instance at `placement` with one compute instance, for the time of the block: yields the UUID
     of its MIG device. NVML is open (`session`) to create it and to destroy it, not while the block runs (the
-    scrub: see nvml.py). Raises GpuError when NVML refuses; destroys what it created, and raises GpuError
-    when that fails (the placement would stay blocked)."""
+    scrub: see nvml.py); `gpu_of(uuid)` gives the GPU's handle (None when gone), attaching no other GPU. Raises
+    GpuError when NVML refuses; destroys what it created, and raises GpuError when that fails (the placement
+    would stay blocked)."""
     where = (
         f"GI profile {placement.profile_id} at memory slices {placement.start}..{placement.start + placement.size - 1}"
     )
     with session():
-        gpu = _gpu(nvml, placement)
+        gpu = _gpu(nvml, placement, gpu_of)
         c_placement = nvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
         try:
             gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, placement.profile_id, ctypes.byref(c_placement))
@@ -194,23 +233,28 @@ def scratch_instance(
                 raise GpuError(f"the MIG device of the GPU instance created for {where} does not show in NVML")
         except BaseException:
             _destroy(nvml, gi, ci, where)
-            _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+            _left_in_mig_mode(nvml, gpu, placement.parent_uuid)
             raise
     try:
         yield uuid
     finally:
         with session():
-            gpu = _gpu(nvml, placement)
+            gpu = _gpu(nvml, placement, gpu_of)
             gi, ci = _still_ours(nvml, gpu, placement, uuid, where)
             _destroy(nvml, gi, ci, where)
-            _mig_off_if_empty(nvml, gpu, placement.parent_uuid)
+            _left_in_mig_mode(nvml, gpu, placement.parent_uuid)
 
 
-def _gpu(nvml: Any, placement: MigPlacement) -> Any:
+def _gpu(nvml: Any, placement: MigPlacement, gpu_of: Callable[[str], Any]) -> Any:
     try:
-        return nvml.nvmlDeviceGetHandleByUUID(placement.parent_uuid)
+        gpu = gpu_of(placement.parent_uuid)
     except nvml.NVMLError as exc:
         raise GpuError(f"NVML cannot find GPU {placement.parent_uuid}: {exc}", placement.parent_uuid) from exc
+    if gpu is None:
+        raise GpuError(
+            f"GPU {placement.parent_uuid} not found by NVML (gone, or not on this node)", placement.parent_uuid
+        )
+    return gpu
 
 
 def _still_ours(nvml: Any, gpu: Any, placement: MigPlacement, uuid: str, where: str) -> tuple[Any, Any]:
@@ -240,41 +284,23 @@ class ScratchInstanceGone(GpuError):
     (the claim's allocation still keeps the placement from everyone else)."""
 
 
-def _mig_off_if_empty(nvml: Any, gpu: Any, uuid: str) -> None:
-    """Leaves the GPU as NVIDIA's DRA driver would have: with dynamic MIG it turns MIG mode off when it deletes
-    a MIG device and finds none left, and it may have found ours. A GPU left in MIG mode with no MIG device is
-    one the next whole-GPU tenant cannot use. A GPU instance someone else has (mid-prepare) keeps it on."""
+def _left_in_mig_mode(nvml: Any, gpu: Any, uuid: str) -> None:
+    """Says so where the scrub's GPU instance was its GPU's last: the GPU stays in MIG mode with no MIG device
+    until NVIDIA's driver turns MIG off (the module's docstring says why the agent does not)."""
     try:
         if live_instances(nvml, gpu) or nvml.nvmlDeviceGetMigMode(gpu)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
             return
-        nvml.nvmlDeviceSetMigMode(gpu, nvml.NVML_DEVICE_MIG_DISABLE)
     except nvml.NVMLError as exc:
-        if getattr(exc, "value", None) != nvml.NVML_ERROR_IN_USE:
-            raise GpuError(
-                f"NVML cannot turn MIG mode off on {uuid}, which the scrub left with no MIG device: {exc}; turn it "
-                "off (nvidia-smi -i <gpu> -mig 0) before a whole-GPU claim gets it",
-                uuid,
-            ) from exc
-        if _any_instance(nvml, gpu):
-            return  # a GPU instance appeared meanwhile: MIG stays on, as the driver would leave it
-        # No instance, so another process's NVML session refused it: with DynamicMIG, NVIDIA's driver keeps one
-        # open and is then the only one that can change MIG modes. Fail closed rather than hand a whole-GPU
-        # tenant a GPU in MIG mode: the claim keeps the placement, so no whole-GPU claim gets it meanwhile.
-        raise GpuError(
-            f"NVML refused to turn MIG mode off on {uuid} ({exc}), which the scrub left with no MIG device: another "
-            "process holds NVML (NVIDIA's DRA driver does with DynamicMIG). Restart NVIDIA's DRA kubelet plugin on "
-            "this node (at start it turns MIG off on every GPU with no MIG device), or turn it off with nvidia-smi "
-            "-i <gpu> -mig 0 while nothing holds NVML; then `scrubgate agent rescrub --device <device>` on this node",
-            uuid,
-        ) from exc
-    log.info("GPU %s: MIG mode off, as NVIDIA's driver leaves a GPU with no MIG device", uuid)
-
-
-def _any_instance(nvml: Any, gpu: Any) -> bool:
-    try:
-        return bool(live_instances(nvml, gpu))
-    except nvml.NVMLError as exc:
-        raise GpuError(f"NVML cannot list the MIG devices left after the scrub: {exc}") from exc
+        log.warning("cannot read the MIG mode of GPU %s after the scrub: %s", uuid, exc)
+        return
+    log.warning(
+        "GPU %s is left in MIG mode with no MIG device: the scrub's GPU instance was its last (NVIDIA's DRA driver "
+        "deleted the others meanwhile). Its memory is verified clean; the agent does not change MIG modes, which "
+        "NVIDIA's driver owns under DynamicMIG: the driver turns MIG off when it deletes this GPU's next MIG device "
+        "or when it restarts. Until then a whole-GPU claim on it gets a GPU CUDA cannot use whole; to free it now, "
+        "restart NVIDIA's DRA kubelet plugin on this node.",
+        uuid,
+    )
 
 
 def _compute_instance(nvml: Any, gi: Any, where: str) -> Any:

@@ -2,10 +2,14 @@
 health; the CUDA driver API, in a child process per device (``cuda_scrub.py``), for the scrub; XIDs from the
 kernel log (``xid.py``).
 
-NVML is open only while an operation runs, never while the agent waits: with DynamicMIG, NVIDIA's DRA driver
-changes a GPU's MIG mode when it creates the first MIG device and deletes the last, and NVML refuses that
-while another process holds a session ("in use by another client"; k8s-dra-driver-gpu's nvlib.go says so of
-its own long-lived session and mig-parted). An idle agent holding NVML would make every such change fail.
+NVML is open only while an operation runs, never while the agent waits, and an operation attaches only the GPU
+it is about (handles.py): with DynamicMIG, NVIDIA's DRA driver changes a GPU's MIG mode when it creates the
+first MIG device and deletes the last, and NVML refuses that while another process has the GPU attached ("in use
+by another client"; k8s-dra-driver-gpu's nvlib.go says so of its own long-lived session and mig-parted). An idle
+agent holding NVML would make every such change fail; one attaching every GPU for each operation would make
+those on any GPU fail while it runs. The scrub itself (cuda_scrub.py, in a child) takes about 0.1 s of device
+time on an H200 (zero and read back 141 GB at 4.8 TB/s); its wall time is the child's start, CUDA's and the
+allocation's, seconds. NVML stays closed meanwhile all the same.
 
 ``pynvml`` is imported when the backend is opened, never at module import, so the project installs
 and its tests run on machines without a GPU (``pip install scrubgate[gpu]`` adds the bindings).
@@ -18,13 +22,10 @@ import functools
 import importlib
 import json
 import logging
-import os
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,12 +41,13 @@ from .base import (
     ProcessKind,
     ScrubResult,
 )
+from .child import ScrubChild
 from .driver_params import PARAMS_PATH, scrub_on_free_disabled
-from .xid import KERNEL_LOG, EccBaseline, XidWatcher, pci_address
+from .handles import Devices, Handle
+from .xid import KERNEL_LOG, EccBaseline, XidWatcher
 
 log = logging.getLogger(__name__)
 
-SCRUB_SCRIPT = Path(cuda_scrub.__file__)
 # Scrubs of a dynamic MIG placement whose scratch GPU instance another party destroyed (NVIDIA's driver restarting)
 SCRATCH_ATTEMPTS = 3
 # What scrub() reads from cuda_scrub.py's report.
@@ -55,9 +57,8 @@ _REPORT_NUMBERS = ("bytesScrubbed", "scrubS", "nonzeroWords", "wordBytes")
 # policy's scrubCoverage, whose defaults these are), fails the scrub.
 DEFAULT_MAX_UNREACHABLE = 0.02
 DEFAULT_MAX_UNREACHABLE_BYTES = 1 << 30
-# Scrub processes at once: each is a Python with the CUDA driver and a context of its own, a few hundred MB of
-# host memory; the agent tears down up to 16 claims at once, which must not all scrub at once inside the
-# DaemonSet's 4 GiB memory limit. The rest wait for a slot (the GPU's copy bandwidth is the bound anyway).
+# Scrub processes at once (child.py): the agent tears down up to 16 claims at once, which must not all scrub at
+# once inside the DaemonSet's 4 GiB memory limit. The rest wait for a slot.
 DEFAULT_MAX_PARALLEL_SCRUBS = 4
 # c_nvmlFieldValue_t.valueType -> the member of its value union that holds the number.
 _FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -74,16 +75,6 @@ def _in_session(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class _Handle:
-    uuid: str
-    handle: Any
-    index: int
-    parent_uuid: str | None
-    parent: Any  # the physical GPU's handle: ECC, row remapping and XIDs are per physical GPU
-    mig_enabled: bool  # a full GPU in MIG mode: CUDA cannot reach its memory as a whole
 
 
 class NvmlBackend:
@@ -113,7 +104,6 @@ class NvmlBackend:
             self._nvml = importlib.import_module("pynvml")
         except ImportError as exc:
             raise GpuError(f"NVML bindings not installed ({exc}): pip install 'scrubgate[gpu]'") from exc
-        self.scrub_timeout_s = scrub_timeout_s
         self.chunk_bytes = chunk_bytes
         self.min_chunk_bytes = min_chunk_bytes
         self.margin_bytes = margin_bytes
@@ -123,27 +113,26 @@ class NvmlBackend:
         self.max_unreachable_bytes = max_unreachable_bytes
         if max_parallel_scrubs < 1:
             raise GpuError(f"max_parallel_scrubs must be at least 1, got {max_parallel_scrubs}")
-        self._scrub_slots = threading.BoundedSemaphore(max_parallel_scrubs)
-        self.python = python
-        self.child_env = dict(child_env or {})
+        self._child = ScrubChild(
+            python=python, env=child_env, timeout_s=scrub_timeout_s, max_parallel=max_parallel_scrubs
+        )
         self.params_path = params_path
         self.capabilities = capabilities or mig.CapabilityNodes()
         self._sessions = 0
         self._session_lock = threading.Lock()
+        self._devices = Devices(self._nvml)
         self._xids: XidWatcher | None = None
         self._ecc = EccBaseline(ecc_history_path)
+        # GPUs without persistence mode: not sampled (each sample would attach, so initialise, the GPU again).
+        self._unpersistent: set[str] = set()
         with self._session():
-            gpus = {h.uuid: h.handle for h in self._enumerate()[0].values() if h.parent_uuid is None}
-            try:
-                by_pci = {self._pci_address(handle): uuid for uuid, handle in gpus.items()}
-            except self._nvml.NVMLError as exc:
-                raise GpuError(f"NVML cannot read the PCI addresses of the GPUs: {exc}") from exc
+            gpus = {h.uuid: h.handle for _i, h in self._devices.enumerate()[0] if h.parent_uuid is None}
             self._warn_without_persistence(gpus)
-            self._gpu_uuids = list(gpus)
-            self._sample_ecc()
+        self._sample_ecc()
         if watch_xids:
             try:
-                self._xids = XidWatcher(by_pci, self._slices_of, kernel_log)
+                by_pci = {pci: uuid for uuid, pci in self._devices.pci.items()}
+                self._xids = XidWatcher(by_pci, kernel_log)
             except OSError as exc:
                 raise GpuError(
                     f"cannot read XID events from the kernel log {kernel_log} ({exc}): the agent needs the host's "
@@ -160,6 +149,10 @@ class NvmlBackend:
         if self._xids is not None:
             self._xids.close()
             self._xids = None
+
+    def watch_error(self) -> str | None:
+        """Why the XID watch is over, or None while it runs (or was not asked for): /healthz fails on it."""
+        return self._xids.problem() if self._xids is not None else None
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[None]:
@@ -193,62 +186,14 @@ class NvmlBackend:
     def _is(self, exc: Exception, name: str) -> bool:
         return getattr(exc, "value", None) == getattr(self._nvml, f"NVML_ERROR_{name}")
 
-    def _enumerate(self) -> tuple[dict[str, _Handle], list[str]]:
-        """Every full GPU and MIG device by UUID, and a message for each GPU that could not be read.
-
-        Raises GpuError only when NVML cannot even count the GPUs.
-        """
-        nvml = self._nvml
+    def _lookup(self, uuid: str) -> Handle | None:
         try:
-            count = nvml.nvmlDeviceGetCount()
-        except nvml.NVMLError as exc:
-            raise GpuError(f"NVML cannot list GPUs: {exc}") from exc
-        found: dict[str, _Handle] = {}
-        errors: list[str] = []
-        for index in range(count):
-            try:
-                gpu = nvml.nvmlDeviceGetHandleByIndex(index)
-                gpu_uuid = nvml.nvmlDeviceGetUUID(gpu)
-                try:
-                    mig_enabled = nvml.nvmlDeviceGetMigMode(gpu)[0] == nvml.NVML_DEVICE_MIG_ENABLE
-                except nvml.NVMLError as exc:
-                    if not self._is(exc, "NOT_SUPPORTED"):
-                        raise
-                    mig_enabled = False
-                found[gpu_uuid] = _Handle(gpu_uuid, gpu, index, None, gpu, mig_enabled)
-                if not mig_enabled:
-                    continue
-                for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(gpu)):
-                    try:
-                        mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
-                    except nvml.NVMLError as exc:
-                        if self._is(exc, "NOT_FOUND"):  # an empty slot
-                            continue
-                        raise
-                    mig_uuid = nvml.nvmlDeviceGetUUID(mig)
-                    found[mig_uuid] = _Handle(mig_uuid, mig, slot, gpu_uuid, gpu, False)
-            except nvml.NVMLError as exc:
-                errors.append(f"GPU index {index}: {exc}")
-        return found, errors
+            return self._devices.lookup(uuid)
+        except self._nvml.NVMLError as exc:
+            raise GpuError(f"NVML cannot reach device {uuid}: {exc}", uuid) from exc
 
-    def _pci_address(self, gpu: Any) -> str:
-        info = self._nvml.nvmlDeviceGetPciInfo(gpu)
-        return pci_address(int(info.domain), int(info.bus), int(info.device))
-
-    def _slices_of(self, gpu_uuid: str, gpu_instance: int) -> frozenset[int] | None:
-        """The memory slices of a GPU instance, for an XID the kernel log attributes to it."""
-        nvml = self._nvml
-        try:
-            with self._session():
-                gpu = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
-                info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(gpu, gpu_instance))
-        except (GpuError, nvml.NVMLError) as exc:
-            log.warning("cannot read the memory slices of GPU instance %d of %s: %s", gpu_instance, gpu_uuid, exc)
-            return None
-        return frozenset(range(int(info.placement.start), int(info.placement.start) + int(info.placement.size)))
-
-    def _resolve(self, uuid: str) -> _Handle:
-        entry = self._enumerate()[0].get(uuid)
+    def _resolve(self, uuid: str) -> Handle:
+        entry = self._lookup(uuid)
         if entry is None:
             raise GpuError(f"GPU device {uuid} not found by NVML (gone, or not on this node)", uuid)
         return entry
@@ -273,24 +218,27 @@ class NvmlBackend:
 
     @_in_session
     def list_devices(self) -> list[GpuDevice]:
-        entries, errors = self._enumerate()
+        """Every GPU and MIG device: attaches every GPU, so for the inventory at start, not for a teardown."""
+        entries, errors = self._devices.enumerate()
         for error in errors:
             # Left out, not guessed at: the agent keeps any device it cannot see fenced.
             log.warning("NVML could not read a GPU, leaving it out of the inventory: %s", error)
         devices = []
-        for entry in entries.values():
+        for index, entry in entries:
             try:
                 total, reserved, free = self._memory(entry.handle)
                 name = self._nvml.nvmlDeviceGetName(entry.handle)
             except self._nvml.NVMLError as exc:
                 log.warning("NVML could not read device %s, leaving it out of the inventory: %s", entry.uuid, exc)
                 continue
-            devices.append(GpuDevice(entry.uuid, entry.index, name, entry.parent_uuid, total, reserved, free))
+            devices.append(GpuDevice(entry.uuid, index, name, entry.parent_uuid, total, reserved, free))
         return devices
 
     @_in_session
     def processes(self, uuid: str) -> list[GpuProcess]:
-        entry = self._resolve(uuid)
+        return self._processes(uuid, self._resolve(uuid).handle)
+
+    def _processes(self, uuid: str, handle: Any) -> list[GpuProcess]:
         nvml = self._nvml
         queries: list[tuple[ProcessKind, str]] = [
             ("compute", "nvmlDeviceGetComputeRunningProcesses"),
@@ -300,7 +248,7 @@ class NvmlBackend:
         found: dict[tuple[int, str], GpuProcess] = {}
         for kind, function in queries:
             try:
-                infos = getattr(nvml, function)(entry.handle)
+                infos = getattr(nvml, function)(handle)
             except nvml.NVMLError as exc:
                 if self._is(exc, "NOT_SUPPORTED"):  # e.g. graphics on a MIG device
                     continue
@@ -322,19 +270,23 @@ class NvmlBackend:
             raise
 
     def _warn_without_persistence(self, gpus: Mapping[str, Any]) -> None:
-        """Without persistence mode the driver tears a GPU's state down when its last client goes, and with it the
-        volatile ECC counters the baseline reads; the XIDs the driver logs for such errors (48, 94, 95) still
-        count, from the kernel log."""
+        """Without persistence mode the driver tears a GPU's state down when its last client goes, and sets it up
+        again at the next attach (each agent operation on the GPU, each scrub): seconds of initialisation each
+        time, and the volatile ECC counters start again from 0, so errors during a claim are gone by its teardown.
+        Such GPUs are not sampled for the ECC baseline (a sample would be one more attach); the XIDs the driver logs
+        for those errors (48, 94, 95) still count, from the kernel log."""
         for uuid, gpu in gpus.items():
             try:
                 off = self._nvml.nvmlDeviceGetPersistenceMode(gpu) == self._nvml.NVML_FEATURE_DISABLED
             except self._nvml.NVMLError:
                 continue  # not a setting of this GPU or platform
             if off:
+                self._unpersistent.add(uuid)
                 log.warning(
-                    "GPU %s runs without persistence mode: its volatile ECC counters reset whenever no process has "
-                    "it open, which the agent no longer does between operations; run nvidia-persistenced (NVIDIA's "
-                    "GPU Operator does) so that ECC errors since an allocation are counted",
+                    "GPU %s runs without persistence mode: each attach (every agent operation on it, each scrub) "
+                    "initialises it again (seconds) and resets its volatile ECC counters, so ECC errors during a "
+                    "claim are seen only through the driver's XIDs (48, 94, 95); run nvidia-persistenced (NVIDIA's "
+                    "GPU Operator does)",
                     uuid,
                 )
 
@@ -343,39 +295,32 @@ class NvmlBackend:
             self._sample_ecc()
 
     def _sample_ecc(self) -> None:
-        """The ECC baseline: each GPU's count every minute (from its own thread, and at open)."""
-        now = time.time()
-        try:
-            with self._session():
-                for uuid in self._gpu_uuids:
-                    try:
-                        self._ecc.record(uuid, now, self._ecc_count(self._nvml.nvmlDeviceGetHandleByUUID(uuid)))
-                    except self._nvml.NVMLError as exc:
-                        log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
-        except GpuError as exc:
-            log.warning("cannot sample ECC errors: %s", exc)
+        """The ECC baseline: each GPU's count every minute (from its own thread, and at open), each GPU in a short
+        NVML window of its own, so that a MIG mode change on one GPU never waits on a sample of all."""
+        for uuid in [u for u in self._devices.pci if u not in self._unpersistent]:
+            now = time.time()
+            try:
+                with self._session():
+                    gpu = self._devices.gpu(uuid)
+                    if gpu is None:
+                        continue  # gone: its teardowns fail on their own
+                    count = self._ecc_count(gpu)
+            except (GpuError, self._nvml.NVMLError) as exc:
+                log.warning("cannot sample the ECC errors of GPU %s: %s", uuid, exc)
+                continue
+            self._ecc.record(uuid, now, count)
 
     @_in_session
     def health(self, uuid: str, since: float) -> HealthSnapshot:
-        entry = self._resolve(uuid)
-        gpu_instance = None
-        if entry.parent_uuid is not None:  # a MIG device: its own XIDs and the whole GPU's
-            try:
-                gpu_instance = int(self._nvml.nvmlDeviceGetGpuInstanceId(entry.handle))
-            except self._nvml.NVMLError as exc:
-                log.warning("cannot read the GPU instance of %s (%s); counting every XID of its GPU", uuid, exc)
-        return self._health(uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, gpu_instance))
+        """A MIG device's health is its GPU's: ECC, row remapping and XIDs are per GPU, and the driver names no GPU
+        instance in an XID (xid.py), so an XID counts against every MIG device of its GPU."""
+        return self._health(uuid, self._resolve(uuid), since)
 
     @_in_session
     def placement_health(self, placement: MigPlacement, since: float) -> HealthSnapshot:
-        entry = self._resolve(placement.parent_uuid)
-        return self._health(
-            placement.parent_uuid, entry, since, lambda xids, gpu: xids.since(gpu, since, slices=placement.slices)
-        )
+        return self._health(placement.parent_uuid, self._resolve(placement.parent_uuid), since)
 
-    def _health(
-        self, uuid: str, entry: _Handle, since: float, xids_of: Callable[[XidWatcher, str], tuple[int, ...]]
-    ) -> HealthSnapshot:
+    def _health(self, uuid: str, entry: Handle, since: float) -> HealthSnapshot:
         nvml = self._nvml
         gpu = entry.parent
         gpu_uuid = entry.parent_uuid or entry.uuid
@@ -395,7 +340,7 @@ class NvmlBackend:
             remapped_rows_pending=bool(pending),
             remapped_rows_failed=bool(failed),
             recovery_action=self._recovery_action(gpu),
-            xids=xids_of(self._xids, gpu_uuid) if self._xids is not None else (),
+            xids=self._xids.since(gpu_uuid, since) if self._xids is not None else (),
         )
 
     def _recovery_action(self, gpu: Any) -> int | None:
@@ -414,7 +359,7 @@ class NvmlBackend:
 
     def _scrub_target(self, uuid: str) -> tuple[bool | None, int, int, str | None]:
         """(ECC on, total and reserved bytes, why the device cannot be scrubbed or None), read with NVML open."""
-        entry = self._enumerate()[0].get(uuid)
+        entry = self._lookup(uuid)
         if entry is None:
             why = (
                 f"device {uuid} no longer exists (a dynamically created MIG device is destroyed when the claim is "
@@ -428,7 +373,7 @@ class NvmlBackend:
                 "or scrub each of its MIG devices"
             )
             return ecc, 0, 0, why
-        holders = self.processes(uuid)
+        holders = self._processes(uuid, entry.handle)
         if holders:
             pids = ", ".join(str(p.pid) for p in holders)
             return ecc, 0, 0, f"device {uuid} is still held by pid {pids}; their memory cannot be scrubbed"
@@ -453,17 +398,13 @@ class NvmlBackend:
         started = time.monotonic()
         disabled = self.scrub_on_free_disabled()
         scrub_on_free = None if disabled is None else not disabled
-        # NVML open for the checks, not while the scrub runs (minutes on a large GPU; see the module's docstring).
+        # NVML open for the checks, not while the scrub runs (see the module's docstring).
         with self._session():
             ecc, total, reserved, why_not = self._scrub_target(uuid)
+        report: dict[str, Any] = {}
 
-        def result(
-            verified: bool,
-            reason: str | None,
-            scrubbed: int = 0,
-            kernel_s: float | None = None,
-            kernels: str | None = None,
-        ) -> ScrubResult:
+        def result(verified: bool, reason: str | None, scrubbed: int = 0) -> ScrubResult:
+            rss = report.get("maxRssBytes")
             return ScrubResult(
                 uuid=uuid,
                 bytes_scrubbed=scrubbed,
@@ -474,22 +415,30 @@ class NvmlBackend:
                 verified=verified,
                 method=self.method,
                 reason=reason,
-                kernel_s=kernel_s,
-                kernels=kernels,
+                kernel_s=float(report["scrubS"]) if "scrubS" in report else None,
+                kernels=str(report["kernels"]) if "kernels" in report else None,
                 scrub_on_free=scrub_on_free,
                 ecc_enabled=ecc,
+                host_rss_bytes=int(rss) if isinstance(rss, int) else None,
             )
 
         if why_not is not None:
             return result(False, why_not)
-        report, failure = self._run_child(uuid)
+        report, failure = self._child.run(
+            uuid,
+            [
+                f"--chunk-bytes={self.chunk_bytes}",
+                f"--min-chunk-bytes={self.min_chunk_bytes}",
+                f"--margin-bytes={self.margin_bytes}",
+            ],
+        )
+        if failure is None and not all(isinstance(report.get(key), int | float) for key in _REPORT_NUMBERS):
+            report, failure = {}, f"scrub of {uuid} gave a malformed report: {json.dumps(report)[:500]}"
         if failure is not None:
             return result(False, failure)
         scrubbed = int(report["bytesScrubbed"])
-        kernel_s = float(report["scrubS"])
-        kernels = str(report.get("kernels"))
         if report.get("kernelErrors"):
-            log.warning("scrub of %s verified with %s: %s", uuid, kernels, "; ".join(report["kernelErrors"]))
+            log.warning("scrub of %s verified with %s: %s", uuid, report["kernels"], "; ".join(report["kernelErrors"]))
         nonzero = int(report["nonzeroWords"])
         usable = total - reserved
         if nonzero:
@@ -497,7 +446,7 @@ class NvmlBackend:
                 f"verification found {nonzero} non-zero {report['wordBytes']}-byte words on {uuid} "
                 "after zeroing: memory does not hold writes, or something wrote to it during the scrub"
             )
-            return result(False, reason, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed)
         unreachable = max(usable - scrubbed, 0)
         allowed = min(int(self.max_unreachable_fraction * usable), self.max_unreachable_bytes)
         if scrubbed <= 0 or unreachable > allowed:
@@ -507,7 +456,7 @@ class NvmlBackend:
                 f"({self.max_unreachable_fraction:.1%} and at most {self.max_unreachable_bytes} bytes), so they "
                 "are unverified"
             )
-            return result(False, reason, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed)
         if unreachable and scrub_on_free is not True:
             why = (
                 "the kernel driver runs with RMDisableScrubOnFree set, so nothing zeroes them before they are "
@@ -517,21 +466,58 @@ class NvmlBackend:
                 "nothing says they were zeroed; mount the host's /proc/driver/nvidia into the agent"
             )
             reason = f"{unreachable} bytes of {uuid} were out of the scrub's reach (its own CUDA context, the driver's), and {why}"
-            return result(False, reason, scrubbed, kernel_s, kernels)
-        return result(True, None, scrubbed, kernel_s, kernels)
+            return result(False, reason, scrubbed)
+        return result(True, None, scrubbed)
+
+    def cuda_problem(self) -> str | None:
+        """Why this process cannot open a CUDA context and run the scrub's kernels, or None: the start-up check,
+        once, on one idle device (a whole GPU out of MIG mode, else a MIG device), so that a broken CUDA setup
+        (bindings, libcuda, device nodes) is named at start rather than at the first teardown."""
+        with self._session():
+            entries, _errors = self._devices.enumerate()
+            whole_first = sorted((h.uuid for _i, h in entries), key=lambda u: u not in self._devices.pci)
+            target = next((u for u in whole_first if self._scrub_target(u)[3] is None), None)
+        if target is None:
+            log.info("no idle device for the CUDA check at start: CUDA is first used by the first scrub")
+            return None
+        report, failure = self._child.run(target, ["--check"])
+        if failure is not None:
+            return failure
+        log.info(
+            "CUDA check on %s: driver API %s, kernels %s%s",
+            target,
+            report.get("cudaDriverVersion"),
+            report.get("kernels"),
+            f" ({'; '.join(report['kernelErrors'])})" if report.get("kernelErrors") else "",
+        )
+        return None
 
     @_in_session
     def placement_processes(self, placement: MigPlacement) -> list[GpuProcess]:
         gpu = self._resolve(placement.parent_uuid)
         if not gpu.mig_enabled:
-            return self.processes(placement.parent_uuid)  # MIG off again: the placement is part of the GPU
-        try:
-            overlapping = [live.uuid for live in mig.live_instances(self._nvml, gpu.handle) if live.overlaps(placement)]
-        except self._nvml.NVMLError as exc:
-            raise GpuError(
-                f"NVML cannot list the MIG devices of {placement.parent_uuid}: {exc}", placement.parent_uuid
-            ) from exc
-        return [p for uuid in overlapping for p in self.processes(uuid)]
+            return self._processes(gpu.uuid, gpu.handle)  # MIG off again: the placement is part of the GPU
+        overlapping = [live for live in self.live_instances(placement.parent_uuid) if live.overlaps(placement)]
+        return [p for live in overlapping for p in self._processes(live.uuid, live.handle)]
+
+    def live_instances(self, gpu_uuid: str) -> list[mig.LiveInstance]:
+        """The MIG devices of a GPU in MIG mode, with their placements; raises GpuError."""
+        with self._session():
+            gpu = self._resolve(gpu_uuid)
+            try:
+                found = mig.live_instances(self._nvml, gpu.handle)
+            except self._nvml.NVMLError as exc:
+                raise GpuError(f"NVML cannot list the MIG devices of {gpu_uuid}: {exc}", gpu_uuid) from exc
+        for live in found:
+            self._devices.note_parent(live.uuid, gpu_uuid)
+        return found
+
+    @contextlib.contextmanager
+    def scratch_instance(self, placement: MigPlacement) -> Iterator[str]:
+        """A GPU instance of the placement for the time of the block (mig.scratch_instance): yields its MIG UUID."""
+        with mig.scratch_instance(self._nvml, self._session, placement, self._devices.gpu) as uuid:
+            self._devices.note_parent(uuid, placement.parent_uuid)
+            yield uuid
 
     def scrub_placement(self, placement: MigPlacement) -> ScrubResult:
         for attempt in range(1, SCRATCH_ATTEMPTS + 1):
@@ -557,10 +543,7 @@ class NvmlBackend:
                 # part of the whole GPU, which its teardown fences as well (it shares the memory slices).
                 through: str | None = parent
             else:
-                try:
-                    live = [m for m in mig.live_instances(self._nvml, gpu.handle) if m.overlaps(placement)]
-                except self._nvml.NVMLError as exc:
-                    raise GpuError(f"NVML cannot list the MIG devices of {parent}: {exc}", parent) from exc
+                live = [m for m in self.live_instances(parent) if m.overlaps(placement)]
                 if len(live) == 1 and live[0].is_at(placement):
                     through = live[0].uuid  # not unprepared yet: the same memory, through the same device
                 elif live:
@@ -570,39 +553,8 @@ class NvmlBackend:
                     through = None
         if through is not None:
             return self.scrub(through)
-        with mig.scratch_instance(self._nvml, self._session, placement) as uuid:
+        with self.scratch_instance(placement) as uuid:
             return self.scrub(uuid)
-
-    def _run_child(self, uuid: str) -> tuple[dict[str, Any], str | None]:
-        """Run cuda_scrub.py on one device; (its report, None) or ({}, why it failed)."""
-        env = {**os.environ, **self.child_env, "CUDA_VISIBLE_DEVICES": uuid}
-        command = [
-            self.python,
-            str(SCRUB_SCRIPT),
-            f"--chunk-bytes={self.chunk_bytes}",
-            f"--min-chunk-bytes={self.min_chunk_bytes}",
-            f"--margin-bytes={self.margin_bytes}",
-        ]
-        try:
-            with self._scrub_slots:
-                done = subprocess.run(
-                    command, env=env, capture_output=True, text=True, timeout=self.scrub_timeout_s, check=False
-                )
-        except subprocess.TimeoutExpired:
-            return {}, f"scrub of {uuid} did not finish within {self.scrub_timeout_s:.0f}s and was killed"
-        except OSError as exc:
-            return {}, f"scrub of {uuid} could not start {self.python}: {exc}"
-        report = _last_json_line(done.stdout)
-        if report is None:
-            tail = (done.stderr or done.stdout).strip()[-500:]
-            return {}, f"scrub of {uuid} exited {done.returncode} without a report: {tail}"
-        if "error" in report:
-            return {}, f"scrub of {uuid} failed: {report['error']}"
-        if done.returncode != 0:
-            return {}, f"scrub of {uuid} exited {done.returncode}"
-        if not all(isinstance(report.get(key), int | float) for key in _REPORT_NUMBERS):
-            return {}, f"scrub of {uuid} gave a malformed report: {json.dumps(report)[:500]}"
-        return report, None
 
     def scrub_on_free_disabled(self) -> bool | None:
         return scrub_on_free_disabled(self.params_path)
@@ -640,13 +592,3 @@ def _unverified(placement: MigPlacement, reason: str) -> ScrubResult:
         method=NvmlBackend.method,
         reason=reason,
     )
-
-
-def _last_json_line(stdout: str) -> dict[str, Any] | None:
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        return value if isinstance(value, dict) else None
-    return None

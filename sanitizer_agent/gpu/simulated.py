@@ -509,6 +509,9 @@ class SimulatedGpu:
     def scrub_on_free_disabled(self) -> bool | None:
         return self._scrub_on_free_disabled
 
+    def watch_error(self) -> str | None:
+        return None  # simulated XIDs are injected, not watched
+
     def _scrub_on_free(self) -> bool | None:
         return None if self._scrub_on_free_disabled is None else not self._scrub_on_free_disabled
 

@@ -1,28 +1,49 @@
-"""XID events from the kernel log, kept so that health() can answer "which critical XIDs hit this device since t".
+"""XID events from the kernel log, kept so that health() can answer "which critical XIDs hit this GPU since t".
 
-NVIDIA's kernel driver writes every XID to the kernel log (open-gpu-kernel-modules, kernel_rc.c):
-``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., <message>``, and on a GPU in MIG mode the parenthesis also names
-the GPU instance (`` GPU-I:05``). The agent reads them there, from ``/dev/kmsg``, rather than from an NVML
-event set: an event set keeps an NVML session open on every GPU for the agent's lifetime, and with
-DynamicMIG NVIDIA's DRA driver cannot change a GPU's MIG mode while another process holds one ("in use by
-another client", as its nvlib.go says of mig-parted). The kernel log also keeps history: XIDs from before
-the agent started are seen while the ring buffer holds them.
+The agent reads them from ``/dev/kmsg`` rather than from an NVML event set: an event set keeps an NVML session
+open on every GPU for the agent's lifetime, and with DynamicMIG NVIDIA's DRA driver cannot change a GPU's MIG
+mode while another process holds one ("in use by another client", as its nvlib.go says of mig-parted). The
+kernel log also keeps history: XIDs from before the agent started are seen while the ring buffer holds them.
 
-As NVIDIA's DRA driver does: every XID counts except the application ones (a tenant's own faults), and an
-XID with a GPU instance belongs to that MIG device (and to the GPU it is carved from), not to its siblings.
+Which records count, and why a tenant cannot write one:
+
+- Each read of /dev/kmsg returns one record, ``<facility << 3 | level>,<seq>,<usec since boot>,<flags>[,caller=..];
+  <message>`` and then `` KEY=value`` lines; bytes of the message below 0x20 or above 0x7e are escaped as ``\\xNN``,
+  so a record is one line (Linux kernel/printk/printk.c, info_print_ext_header and msg_add_ext_text). What a
+  process writes into /dev/kmsg is stored with facility LOG_USER (1) or another it names, never LOG_KERN (0)
+  (devkmsg_write: "to be able to reliably distinguish kernel-generated messages from userspace-injected ones").
+  Only facility 0 counts.
+- The kernel itself puts a task's name first in some records: ``<comm>[<pid>]: segfault at ...`` (arch/x86/mm/
+  fault.c, show_signal_msg), ``<comm> invoked oom-killer: ...`` (mm/oom_kill.c, dump_header); any process sets
+  its own name (prctl PR_SET_NAME), at most 15 characters. So a record counts only when its message *starts*
+  with the driver's own format, which no task name can carry: ``NVRM: Xid (PCI:`` alone is 15 characters, and the
+  format needs the PCI address's hex digits, ``): ``, the XID and a comma after it.
+- The driver's format, every branch 535-595 (open-gpu-kernel-modules src/nvidia/src/kernel/gpu/rc/kernel_rc.c,
+  krcReportXid; XIDs from GSP firmware come through the same function, kernel_gsp.c _kgspRpcOsErrorLog):
+  ``NVRM: Xid (PCI:%04x:%02x:%02x[ GPU-I:%02u[ GPU-CI:%02u]]): %d, [pid=%s, name=%s, ]<message>``. The process
+  name it may print (a tenant's) comes after the XID. It prints through nv_printf (kernel-open/nvidia/
+  os-interface.c), always with KERN_CONT: the kernel then appends it to the previous record only where that
+  record came from the same task or CPU and did not end its line, which the driver's own lines do.
+
+An address that names none of this node's GPUs is the driver's word about a GPU the agent did not map: it counts
+against every GPU (fail closed). A record that starts like an XID but is not in the driver's format is no XID
+(logged, counted nowhere): a tenant may have written it.
+
+Attribution: the open kernel driver never names a GPU instance (krcGetMigAttributionForError_KERNEL leaves it
+invalid in every branch, and the GSP's XIDs carry none), so an XID counts against its whole GPU: every MIG device
+and placement on it, not only the one whose tenant caused it. A ``GPU-I`` the line may carry is not used.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,68 +54,79 @@ log = logging.getLogger(__name__)
 KERNEL_LOG = Path("/dev/kmsg")
 # XID events kept; a node sees a handful a day, this is weeks of them.
 HISTORY = 4096
-# The GPU instance of an event of the whole GPU (as nvmlEventData_t.gpuInstanceId has it).
-WHOLE_GPU = 0xFFFFFFFF
 UNKNOWN_GPU = "?"
-# The driver's XID line: an address in parentheses (PCI domain:bus:device in hex, the domain %04x so possibly
-# longer, then " GPU-I:nn GPU-CI:nn" on a GPU in MIG mode), then the XID.
-_XID_LINE = re.compile(r"NVRM: Xid \((?P<address>[^)]*)\):?\s*(?P<xid>\d+)")
-_PCI = re.compile(r"(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")
-_GPU_INSTANCE = re.compile(r"GPU-I:(?P<gi>\d+)")
+LOG_KERN = 0
+# The driver's XID line (kernel_rc.c), anchored at the start of the record's message.
+_XID = re.compile(
+    r"NVRM: Xid \(PCI:(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2}):(?P<device>[0-9a-f]{2})"
+    r"(?: GPU-I:\d+)?(?: GPU-CI:\d+)?\): (?P<xid>\d+),"
+)
+
+PciAddress = tuple[int, int, int]  # PCI domain, bus, device
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    facility: int
+    seq: int
+    usec: int  # since boot, the kernel's clock
+    message: str
+
+
+def parse_record(line: str) -> KernelRecord | None:
+    """One /dev/kmsg record's first line; None for a continuation line or anything not in that format."""
+    header, sep, message = line.partition(";")
+    fields = header.split(",")
+    if not sep or len(fields) < 4:
+        return None
+    try:
+        prival, seq, usec = int(fields[0]), int(fields[1]), int(fields[2])
+    except ValueError:
+        return None
+    return KernelRecord(prival >> 3, seq, usec, message)
+
+
+def parse_xid(record: KernelRecord) -> tuple[PciAddress, int] | None:
+    """(the GPU's PCI address, the XID) of a record the NVIDIA kernel driver wrote; None for any other record."""
+    if record.facility != LOG_KERN:
+        return None
+    found = _XID.match(record.message)
+    if found is None:
+        return None
+    return (int(found["domain"], 16), int(found["bus"], 16), int(found["device"], 16)), int(found["xid"])
 
 
 @dataclass(frozen=True)
 class XidEvent:
     at: float
     gpu_uuid: str  # UNKNOWN_GPU when the address names no GPU of ours: it then counts against every GPU
-    gpu_instance: int  # WHOLE_GPU, or the MIG device's GPU instance ID
     xid: int
-    # The memory slices of that GPU instance when the event came (a dynamic MIG device may be gone by the
-    # time its teardown asks); None for the whole GPU, or when they could not be read.
-    slices: frozenset[int] | None = None
-
-    def hits(self, gpu_instance: int | None, slices: frozenset[int] | None) -> bool:
-        """Whether the event concerns a MIG device (by GPU instance ID, or by memory slices)."""
-        if self.gpu_instance == WHOLE_GPU:
-            return True
-        if gpu_instance is not None and self.gpu_instance == gpu_instance:
-            return True
-        if slices is not None:
-            return self.slices is None or bool(self.slices & slices)
-        return gpu_instance is None
-
-
-def pci_address(domain: int, bus: int, device: int) -> str:
-    """A GPU's PCI address as the kernel driver prints it in an XID line."""
-    return f"{domain:04x}:{bus:02x}:{device:02x}"
 
 
 class XidWatcher:
     """Collects critical XID events from the kernel log in a thread.
 
-    `gpus` maps each GPU's PCI address (pci_address) to its UUID; `slices_of(gpu_uuid, gpu_instance)` reads
-    the memory slices of a GPU instance when its event comes (None when it cannot).
+    `gpus` maps each GPU's PCI address (domain, bus, device) to its UUID.
 
     Times: a record read as it comes counts from when it was read (at most a poll later than it happened, so
     never before an allocation it followed). The kernel's own timestamps are used only for the backlog read at
-    start: its clock is not corrected by NTP as the wall clock is, and drifts from it over a long uptime."""
+    start: its clock is not corrected by NTP as the wall clock is, and drifts from it over a long uptime.
 
-    def __init__(
-        self,
-        gpus: Mapping[str, str],
-        slices_of: Callable[[str, int], frozenset[int] | None],
-        kernel_log: Path = KERNEL_LOG,
-        poll_s: float = 0.5,
-    ) -> None:
+    Records lost unread fail the health checks of allocations older than the loss: those the ring buffer
+    overwrote while the watch ran (EPIPE), and, at start, those it had overwritten before (the first record
+    read is not the boot's first)."""
+
+    def __init__(self, gpus: Mapping[PciAddress, str], kernel_log: Path = KERNEL_LOG, poll_s: float = 0.5) -> None:
         self._gpus = dict(gpus)
-        self._slices_of = slices_of
         self._poll_s = poll_s
         self._events: collections.deque[XidEvent] = collections.deque(maxlen=HISTORY)
-        self._overruns: collections.deque[float] = collections.deque(maxlen=HISTORY)
+        self._losses: collections.deque[float] = collections.deque(maxlen=HISTORY)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._backlog = True  # until the first read that finds nothing new
+        self._first = True  # the first record not read yet
         self.error: str | None = None  # set when the log cannot be read any more: the watch is over
+        self.gap: str | None = None  # records the kernel overwrote before the watch started, named
         self._log = kernel_log
         # Raises OSError: the caller says what to do about it.
         self._fd = os.open(kernel_log, os.O_RDONLY | os.O_NONBLOCK)
@@ -121,7 +153,7 @@ class XidWatcher:
                 # EPIPE: the ring buffer wrapped past records not yet read; the next read goes on after them.
                 # XIDs among them are unknown: health checks of allocations older than now fail (closed).
                 with self._lock:
-                    self._overruns.append(time.time())
+                    self._losses.append(time.time())
                 log.error("the kernel log overwrote records before they were read; XIDs among them are unknown")
                 continue
             except OSError as exc:
@@ -136,61 +168,73 @@ class XidWatcher:
             self._backlog = False
             self._stop.wait(self._poll_s)
 
+    def _when(self, record: KernelRecord) -> float:
+        """Wall time of a record: when it was read, or for the backlog, by the kernel's clock."""
+        now = time.time()
+        return now - (time.monotonic() - record.usec / 1e6) if self._backlog else now
+
     def _record(self, line: str) -> None:
-        if line.startswith(" "):  # a record's continuation (KEY=value)
-            return
-        header, sep, message = line.partition(";")
-        if not sep:
-            message = header
-        found = _XID_LINE.search(message)
+        record = parse_record(line)
+        if record is None:
+            return  # a record's continuation (" KEY=value"), or not the kernel's format
+        if self._first:
+            self._first = False
+            self._name_gap(record)
+        found = parse_xid(record)
         if found is None:
+            if record.message.startswith("NVRM: Xid"):
+                # Not the driver's format: a task named like an XID that crashed, or a process writing to the log.
+                log.warning("ignoring a kernel log record that is not the driver's XID format: %r", record.message)
             return
-        xid = int(found["xid"])
-        at = time.time()
-        if self._backlog and sep:  # "priority,sequence,microseconds since boot,flags;message"
-            with contextlib.suppress(IndexError, ValueError):
-                at -= time.monotonic() - int(header.split(",")[2]) / 1e6
-        pci = _PCI.search(found["address"])
-        uuid = self._gpus.get(pci["pci"].lower(), UNKNOWN_GPU) if pci else UNKNOWN_GPU
-        instance = _GPU_INSTANCE.search(found["address"])
-        gpu_instance = WHOLE_GPU if instance is None else int(instance["gi"])
+        pci, xid = found
+        uuid = self._gpus.get(pci, UNKNOWN_GPU)
         if not critical_xid(xid):
             # A tenant's own fault: not kept, so that many of them cannot push a critical one out of the history.
-            log.info("XID %d (an application's own fault) on GPU %s: %s", xid, uuid, message.strip())
+            log.info("XID %d (an application's own fault) on GPU %s: %s", xid, uuid, record.message)
             return
         if uuid == UNKNOWN_GPU:
-            log.warning("XID %d at %r names none of this node's GPUs: it counts against all", xid, found["address"])
-        log.warning("XID %d on GPU %s: %s", xid, uuid, message.strip())
-        slices = None
-        # A GPU instance ID is reused: only a live event's ID still names the instance it happened in.
-        if gpu_instance != WHOLE_GPU and uuid != UNKNOWN_GPU and not self._backlog:
-            slices = self._slices_of(uuid, gpu_instance)
+            address = "{:04x}:{:02x}:{:02x}".format(*pci)
+            log.warning("XID %d at PCI %s names none of this node's GPUs: it counts against all", xid, address)
+        log.warning("XID %d on GPU %s: %s", xid, uuid, record.message)
         with self._lock:
-            self._events.append(XidEvent(at, uuid, gpu_instance, xid, slices))
+            self._events.append(XidEvent(self._when(record), uuid, xid))
 
-    def since(
-        self, gpu_uuid: str, since: float, gpu_instance: int | None = None, slices: frozenset[int] | None = None
-    ) -> tuple[int, ...]:
-        """Critical XIDs since `since` on the GPU; with `gpu_instance` or `slices`, on that MIG device or
-        placement (and the whole GPU's) only. An event that names no GPU of ours counts everywhere, and XIDs that
-        may have been lost since `since` fail the question: fail closed."""
+    def _name_gap(self, first: KernelRecord) -> None:
+        """The kernel numbers records from 0 at boot: a first record read with a higher number means the ones
+        before it were overwritten before anyone here read them."""
+        if first.seq == 0:
+            return
+        lost_until = self._when(first)
+        self.gap = (
+            f"the kernel log had overwritten its first {first.seq} records (from boot until "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(lost_until))}) before the XID watch started: "
+            "XIDs among them are unknown, so health checks of allocations made before then fail"
+        )
+        log.warning("%s; the node's persistent log (journalctl -k) may still hold them", self.gap)
+        with self._lock:
+            self._losses.append(lost_until)
+
+    def problem(self) -> str | None:
+        """Why the watch is over (the log cannot be read, the thread died), or None while it runs."""
         if self.error is None and not self._thread.is_alive() and not self._stop.is_set():
             self.error = "the watch thread ended"
-        if self.error is not None:
-            raise GpuError(f"XID events of {gpu_uuid} unknown: the XID watch stopped ({self.error})", gpu_uuid)
+        return self.error
+
+    def since(self, gpu_uuid: str, since: float) -> tuple[int, ...]:
+        """Critical XIDs since `since` on the GPU (and on any of its MIG devices). An event that names no GPU of
+        ours counts everywhere, and XIDs that may have been lost since `since` fail the question: fail closed."""
+        problem = self.problem()
+        if problem is not None:
+            raise GpuError(f"XID events of {gpu_uuid} unknown: the XID watch stopped ({problem})", gpu_uuid)
         with self._lock:
-            lost = [t for t in self._overruns if t >= since]
+            lost = [t for t in self._losses if t >= since]
             if lost:
                 raise GpuError(
                     f"XID events of {gpu_uuid} unknown: the kernel log overwrote records before they were read "
                     f"({len(lost)} times since the allocation)",
                     gpu_uuid,
                 )
-            return tuple(
-                e.xid
-                for e in self._events
-                if e.at >= since and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU) and e.hits(gpu_instance, slices)
-            )
+            return tuple(e.xid for e in self._events if e.at >= since and e.gpu_uuid in (gpu_uuid, UNKNOWN_GPU))
 
     def close(self) -> None:
         self._stop.set()
@@ -201,12 +245,12 @@ class EccBaseline:
     """Each GPU's volatile uncorrectable ECC count over time, so that health counts only the errors since a
     device was allocated: one old error must not fence a GPU forever.
 
-    Sampled every minute, each time in a short NVML session (NVML is not held open between operations: see
-    the module's docstring); kept as the first sample and every change (a few entries per GPU, however long
-    a claim runs), and in `path` (the agent's state directory) so that a restarted agent still knows the
-    count at allocations made before it. A count that went down means the driver was reloaded: the history
-    starts again. Where no history reaches back to the allocation, the baseline is 0: every error since
-    driver load counts (fail closed)."""
+    Sampled every minute, each GPU in a short NVML session of its own (NVML is not held open between operations:
+    see nvml.py); kept as the first sample and every change (a few entries per GPU, however long a claim runs),
+    and in `path` (the agent's state directory) so that a restarted agent still knows the count at allocations
+    made before it. A count that went down means the driver was reloaded: the history starts again. Where no
+    history reaches back to the allocation, the baseline is 0: every error since driver load counts (fail
+    closed)."""
 
     def __init__(self, path: Path | None = None, sample_every_s: float = 60.0) -> None:
         self.path = path

@@ -10,9 +10,11 @@ agree on one node:
   as on a GPU whose driver does not scrub on free; a MIG device's memory is its placement's
   (``mem/<GPU uuid>@<start>+<size>``), so a GPU instance created again there sees what the last one left;
 - ``contexts/<uuid>/<pid>``: processes holding a CUDA context (NVML lists them while they live);
-- ``nvml-sessions/<pid>``: processes with NVML open (between nvmlInit and the last nvmlShutdown): while another
-  one lives, a MIG mode change is refused as "in use by another client";
-- ``kmsg``: the kernel log as /dev/kmsg gives it, where ``FakeNode.log_xid`` writes the driver's XID lines;
+- ``nvml-sessions/<pid>/``: processes with NVML open (between nvmlInit and the last nvmlShutdown), with a file
+  per GPU the process attached in that session (a handle lookup attaches the GPUs nvml.h says it does): while
+  another live process has a GPU attached, a MIG mode change of it is "in use by another client";
+- ``kmsg``: the kernel log as /dev/kmsg gives it (one record a line, numbered from 0 at boot), where
+  ``FakeNode.log_xid`` writes the driver's XID records and ``log_kernel``/``log_user`` any other;
 - with ``FakeNode.enable_capabilities()``, the driver's MIG capabilities: a `capabilities/` tree as under
   /proc/driver/nvidia/capabilities (written when a GPU or compute instance is created, removed when it is
   destroyed), `proc-devices` with the nvidia-caps major, and `dev-caps/` standing for /dev/nvidia-caps, which
@@ -112,6 +114,16 @@ def fake_mknod(path: Path, major: int, minor: int) -> None:
         f.write(f"c {major}:{minor}\n")
 
 
+def fake_device_of(path: Path) -> tuple[int, int] | None:
+    """(major, minor) of a node `fake_mknod` made; None for no node or anything else."""
+    try:
+        kind, _, numbers = path.read_text().strip().partition(" ")
+        major, _, minor = numbers.partition(":")
+        return (int(major), int(minor)) if kind == "c" else None
+    except (OSError, ValueError):
+        return None
+
+
 def contexts_dir(uuid: str) -> Path:
     return node_dir() / "contexts" / uuid
 
@@ -133,12 +145,31 @@ def sessions_dir() -> Path:
     return node_dir() / "nvml-sessions"
 
 
-def other_nvml_sessions() -> list[int]:
-    """Live processes other than this one with NVML open."""
+def own_session() -> Path:
+    return sessions_dir() / str(os.getpid())
+
+
+def attach(gpu_uuid: str) -> None:
+    """This process's NVML session attached the GPU (until its nvmlShutdown)."""
+    (own_session() / gpu_uuid).touch()
+
+
+def attached_by_others(gpu_uuid: str) -> list[int]:
+    """Live processes other than this one whose NVML session has the GPU attached."""
     folder = sessions_dir()
     if not folder.is_dir():
         return []
-    return [int(e.name) for e in folder.iterdir() if int(e.name) != os.getpid() and pid_alive(int(e.name))]
+    return [
+        int(e.name)
+        for e in folder.iterdir()
+        if int(e.name) != os.getpid() and (e / gpu_uuid).exists() and pid_alive(int(e.name))
+    ]
+
+
+def attached(pid: int) -> set[str]:
+    """The GPUs process `pid` has attached in its NVML session now (empty when it has none)."""
+    folder = sessions_dir() / str(pid)
+    return {e.name for e in folder.iterdir()} if folder.is_dir() else set()
 
 
 def context_holders(uuid: str) -> list[tuple[int, int]]:
@@ -162,6 +193,7 @@ class FakeNode:
         (self.root / "contexts").mkdir(exist_ok=True)
         (self.root / "nvml-sessions").mkdir(exist_ok=True)
         self.kmsg.touch()
+        self._seq = 0  # the kernel numbers records from 0 at boot
         self.data: dict[str, Any] = {"gpus": [], "nvmlErrors": {}, "cuda": {}}
         self.save()
 
@@ -208,6 +240,9 @@ class FakeNode:
                 "9": [4, 3, 64 << 20],
                 "0": [8, 7, 128 << 20],
             },
+            "architecture": 9,  # nvmlDeviceArchitecture_t: 7 Ampere, 9 Hopper (MIG mode changes without a reset)
+            "persistenceMode": 1,
+            "gspFirmware": "595.45.04",  # None: no GSP firmware (NOT_SUPPORTED)
             "ecc": 0,
             "eccMode": [1, 1],  # current, pending (NVML_FEATURE_ENABLED); None: NOT_SUPPORTED
             "remappedRows": [0, 0, 0, 0],
@@ -224,16 +259,31 @@ class FakeNode:
         self.save()
         return gpu
 
-    def log_xid(self, uuid: str, xid: int, gpu_instance: int | None = None) -> None:
-        """The kernel driver's log line for an XID on a GPU (with ``gpu_instance``, in one of its MIG devices), as
-        /dev/kmsg gives it; the format is open-gpu-kernel-modules' (kernel_rc.c)."""
-        gpu = next(g for g in load()["gpus"] if g["uuid"] == uuid)
-        where = f"PCI:0000:{gpu['pciBus']:02x}:00"
-        if gpu_instance is not None:
-            where += f" GPU-I:{gpu_instance:02d} GPU-CI:00"
-        usec = int(time.monotonic() * 1e6)
+    def _log(self, prival: int, message: str, flags: str = "-") -> None:
+        """One record as a read of /dev/kmsg returns it (Linux kernel/printk/printk.c, info_print_ext_header and
+        msg_add_ext_text): `prival` is facility << 3 | level; bytes outside 0x20..0x7e and the backslash are escaped
+        as \\xNN, so a record is one line."""
+        escaped = "".join(c if " " <= c < "\x7f" and c != "\\" else f"\\x{ord(c):02x}" for c in message)
         with self.kmsg.open("a") as log:
-            log.write(f"3,1,{usec},-;NVRM: Xid ({where}): {xid}, pid=4242, name=python3, Ch 00000008\n")
+            log.write(f"{prival},{self._seq},{int(time.monotonic() * 1e6)},{flags};{escaped}\n")
+        self._seq += 1
+
+    def log_kernel(self, message: str, level: int = 6) -> None:
+        """A record the kernel itself writes (facility 0, LOG_KERN); `level` 6 is KERN_INFO."""
+        self._log(level, message)
+
+    def log_user(self, message: str, level: int = 4) -> None:
+        """What a process writes into /dev/kmsg: the kernel stores it with facility LOG_USER (1) at least."""
+        self._log(1 << 3 | level, message)
+
+    def log_xid(self, uuid: str, xid: int, name: str = "python3") -> None:
+        """The kernel driver's record for an XID on a GPU, as the open driver writes it in every branch 535-595
+        (open-gpu-kernel-modules kernel_rc.c, krcReportXid): no GPU instance (krcGetMigAttributionForError_KERNEL
+        leaves it invalid), printed through nv_printf with KERN_CONT only (kernel-open/nvidia/os-interface.c), so
+        at the default level 4 with the continuation flag."""
+        gpu = next(g for g in load()["gpus"] if g["uuid"] == uuid)
+        where = f"PCI:{gpu.get('pciDomain', 0):04x}:{gpu['pciBus']:02x}:00"
+        self._log(4, f"NVRM: Xid ({where}): {xid}, pid=4242, name={name}, Ch 00000008", flags="c")
 
     def create_mig(self, gpu: dict[str, Any], profile_id: str, start: int, memory: int | None = None) -> dict[str, Any]:
         """A GPU instance with one compute instance at a placement, as nvidia-smi or NVIDIA's DRA driver

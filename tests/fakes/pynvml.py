@@ -2,10 +2,16 @@
 with the real names, argument shapes, return shapes, constants and error classes, over the fake node
 of ``fakegpu``. It is strict where the real library is: calls before ``nvmlInit`` fail with
 Uninitialized, queries about the physical GPU fail on MIG handles, ``version`` must be
-``nvmlMemory_v2``, a ``NVMLError(value)`` becomes its ``NVMLError_<Name>`` subclass.
+``nvmlMemory_v2``, a ``NVMLError(value)`` becomes its ``NVMLError_<Name>`` subclass. node.json's ``nvmlErrors``
+makes a call fail, ``nvmlHang`` (a function's name) makes it never return.
 
-A process's NVML session is visible to the others (``fakegpu.other_nvml_sessions``): while another process holds one,
-``nvmlDeviceSetMigMode`` is refused with IN_USE, as NVIDIA's DRA driver finds with DynamicMIG.
+A handle lookup attaches GPUs as nvml.h says (nvmlInit_v2 none; nvmlDeviceGetHandleByIndex and
+nvmlDeviceGetHandleByPciBusId_v2 their target; nvmlDeviceGetHandleByUUID every GPU up to its target's, as it
+"may initialize additional GPUs as it searches"), recorded per process until nvmlShutdown
+(``fakegpu.attached``). While another process has a GPU attached, ``nvmlDeviceSetMigMode`` of it succeeds as a call
+and reports IN_USE in its returned activationStatus, as NVML does (nvml.h: "activationStatus would return the
+appropriate error code upon unsuccessful activation"), and as NVIDIA's DRA driver's long-lived session makes it
+for everyone else with DynamicMIG. Before Hopper a MIG mode change is only pending until a GPU reset.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
+import signal
 import string
 import sys
+import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -52,6 +61,8 @@ NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0x0
 NVML_DEVICE_MIG_ENABLE = 0x1
+NVML_DEVICE_ARCH_AMPERE = 7
+NVML_DEVICE_ARCH_HOPPER = 9
 NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 0x8
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
 # Compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* (1, 2, 3, 4, 7, 8, 6 slices, 1 slice rev1).
@@ -158,6 +169,11 @@ class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
 def _check(function: str, handle: c_nvmlDevice_t | None = None) -> None:
     if _refcount == 0:
         raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    if fakegpu.load().get("nvmlHang") == function:
+        # A call into the driver that never returns, where no signal reaches (a task in D state).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGINT})
+        while True:
+            time.sleep(3600)
     errors = fakegpu.load().get("nvmlErrors", {})
     for key in ("*", handle.uuid if handle else None):
         code = errors.get(key, {}).get(function) if key else None
@@ -205,7 +221,7 @@ def nvmlInit() -> None:
     global _refcount
     fakegpu.load()  # the real call fails when the driver is missing
     if _refcount == 0:
-        (fakegpu.sessions_dir() / str(os.getpid())).touch()
+        fakegpu.own_session().mkdir(parents=True, exist_ok=True)  # attaches no GPU (nvmlInit_v2)
     _refcount += 1
 
 
@@ -214,7 +230,22 @@ def nvmlShutdown() -> None:
     _check("nvmlShutdown")
     _refcount -= 1
     if _refcount == 0:
-        (fakegpu.sessions_dir() / str(os.getpid())).unlink(missing_ok=True)
+        shutil.rmtree(fakegpu.own_session(), ignore_errors=True)
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    _check("nvmlSystemGetDriverVersion")
+    return str(fakegpu.load().get("driverVersion", "595.45.04"))
+
+
+def nvmlSystemGetNVMLVersion() -> str:
+    _check("nvmlSystemGetNVMLVersion")
+    return f"13.{nvmlSystemGetDriverVersion()}"
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:
+    _check("nvmlSystemGetCudaDriverVersion")
+    return int(fakegpu.load().get("cuda", {}).get("driverVersion", 13000))
 
 
 def nvmlDeviceGetCount() -> int:
@@ -228,6 +259,7 @@ def nvmlDeviceGetHandleByIndex(index: int) -> c_nvmlDevice_t:
     if not isinstance(index, int) or not 0 <= index < len(gpus):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     handle = c_nvmlDevice_t(gpus[index]["uuid"], None)
+    fakegpu.attach(handle.uuid)
     _check("nvmlDeviceGetHandleByIndex", handle)
     return handle
 
@@ -235,6 +267,7 @@ def nvmlDeviceGetHandleByIndex(index: int) -> c_nvmlDevice_t:
 def nvmlDeviceGetHandleByUUID(uuid: str) -> c_nvmlDevice_t:
     _check("nvmlDeviceGetHandleByUUID")
     for gpu in _gpus():
+        fakegpu.attach(gpu["uuid"])  # NVML "may initialize additional GPUs as it searches"
         if gpu["uuid"] == uuid:
             return c_nvmlDevice_t(uuid, None)
         if any(m["uuid"] == uuid for m in gpu["migs"]):
@@ -242,10 +275,31 @@ def nvmlDeviceGetHandleByUUID(uuid: str) -> c_nvmlDevice_t:
     raise NVMLError(NVML_ERROR_NOT_FOUND)
 
 
+def nvmlDeviceGetHandleByPciBusId(pciBusId: str) -> c_nvmlDevice_t:
+    """domain:bus:device[.function] in hex (nvml.h, nvmlDeviceGetHandleByPciBusId_v2); attaches the target only."""
+    _check("nvmlDeviceGetHandleByPciBusId")
+    parts = str(pciBusId).split(".")[0].split(":")
+    try:
+        domain, bus, device = (int(p, 16) for p in parts) if len(parts) == 3 else (0, *(int(p, 16) for p in parts))
+    except ValueError:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT) from None
+    for gpu in _gpus():
+        if (domain, bus, device) == (gpu.get("pciDomain", 0), gpu["pciBus"], 0):
+            fakegpu.attach(gpu["uuid"])
+            return c_nvmlDevice_t(gpu["uuid"], None)
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceIsMigDeviceHandle(device: c_nvmlDevice_t) -> ctypes.c_uint:
+    """nvidia-ml-py 13.615 returns the c_uint itself, not its value."""
+    _, parent = _device(device, "nvmlDeviceIsMigDeviceHandle")
+    return ctypes.c_uint(1 if parent is not None else 0)
+
+
 def nvmlDeviceGetPciInfo(handle: c_nvmlDevice_t) -> SimpleNamespace:
     record = _physical(handle, "nvmlDeviceGetPciInfo")
-    bus = record["pciBus"]
-    return SimpleNamespace(domain=0, bus=bus, device=0, busId=f"00000000:{bus:02X}:00.0")
+    domain, bus = record.get("pciDomain", 0), record["pciBus"]
+    return SimpleNamespace(domain=domain, bus=bus, device=0, busId=f"{domain:08X}:{bus:02X}:00.0")
 
 
 def nvmlDeviceGetUUID(handle: c_nvmlDevice_t) -> str:
@@ -279,22 +333,46 @@ def nvmlDeviceGetPersistenceMode(device: c_nvmlDevice_t) -> int:
     return int(_physical(device, "nvmlDeviceGetPersistenceMode").get("persistenceMode", NVML_FEATURE_ENABLED))
 
 
+def nvmlDeviceGetArchitecture(device: c_nvmlDevice_t) -> int:
+    return int(_physical(device, "nvmlDeviceGetArchitecture").get("architecture", NVML_DEVICE_ARCH_HOPPER))
+
+
+def nvmlDeviceGetGspFirmwareMode(handle: c_nvmlDevice_t) -> list[int]:
+    """[isEnabled, defaultMode]."""
+    enabled = int(_physical(handle, "nvmlDeviceGetGspFirmwareMode").get("gspFirmware") is not None)
+    return [enabled, enabled]
+
+
+def nvmlDeviceGetGspFirmwareVersion(handle: c_nvmlDevice_t) -> bytes:
+    """nvidia-ml-py 13.615 returns the char array's bytes."""
+    version = _physical(handle, "nvmlDeviceGetGspFirmwareVersion").get("gspFirmware")
+    if version is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return str(version).encode()
+
+
 def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]:
+    """[current, pending]."""
     record = _physical(device, "nvmlDeviceGetMigMode")
     if record.get("migMode") is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-    return [record["migMode"], record["migMode"]]
+    return [record["migMode"], record.get("migModePending", record["migMode"])]
 
 
 def nvmlDeviceSetMigMode(device: c_nvmlDevice_t, mode: int) -> int:
-    """As Hopper does: at once (no reset) where no GPU instance is left and no other process has NVML open;
-    IN_USE otherwise."""
+    """The activationStatus, as nvidia-ml-py returns it: IN_USE while another process has the GPU attached (the
+    call itself succeeds); on Hopper and later the mode changes at once, before Hopper it is pending until a GPU
+    reset. A GPU instance left is refused outright."""
     record = _physical(device, "nvmlDeviceSetMigMode")
     if record.get("migMode") is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-    if record["gis"] or fakegpu.other_nvml_sessions():
+    if record["gis"]:
         raise NVMLError(NVML_ERROR_IN_USE)
-    record["migMode"] = mode
+    if fakegpu.attached_by_others(record["uuid"]):
+        return NVML_ERROR_IN_USE
+    if record.get("architecture", NVML_DEVICE_ARCH_HOPPER) >= NVML_DEVICE_ARCH_HOPPER:
+        record["migMode"] = mode
+    record["migModePending"] = mode
     _save_gpu(record)
     return NVML_SUCCESS
 

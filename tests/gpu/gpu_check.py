@@ -1,31 +1,40 @@
 """GPU check for a machine with an NVIDIA GPU: does scrubgate's real backend leave nothing behind?
 
 One command, steps in order, each under its own time limit (--step-timeout) and all within --total-timeout
-(8 minutes by default); the JSON report is written after every step, so a step that fails or hangs still
-leaves the ones before it on record:
+(under 5 minutes by default); the JSON report is written after every step, so a step that fails or hangs still
+leaves the ones before it on record. A step stuck where no signal reaches it (a driver call that never returns)
+is abandoned by a watchdog past its limit: the report says so, and the check exits 1.
 
-1. selftest: the verify kernels (cubin, else PTX, else none: the report says which) count planted words.
-2. scrub: a tenant process fills N GiB with a canary and exits; the backend scrubs the device (warm-up,
+1. open: the backend (with its XID watch of the kernel log), the device, the versions (driver, NVML, CUDA, the
+   binding packages) and the card's settings the scrub depends on, read only: persistence mode, GSP firmware,
+   architecture, MIG and ECC modes.
+2. selftest: the verify kernels (cubin, else PTX, else none: the report says which) count planted words; the
+   CUDA driver API's version; the agent's own start-up check of CUDA.
+3. scrub: a tenant process fills N GiB with a canary and exits; the backend scrubs the device (warm-up,
    margin, second pass); a probe allocates all it can and counts canary words (must be 0). Coverage:
-   bytes scrubbed, unreached and reserved. Then "resident": a canary in memory the check's own context still
-   holds, which no driver setting zeroes, through the agent's zero-and-verify pass: none may be left.
-3. no-scrub: the same tenant, then the probe at once: canary words found mean the kernel driver handed one
+   bytes scrubbed, unreached and reserved; the scrub's device and wall time and its process's peak host
+   memory. Then "resident": a canary in memory the check's own context still holds, which no driver setting
+   zeroes, through the agent's zero-and-verify pass: none may be left.
+4. no-scrub: the same tenant, then the probe at once: canary words found mean the kernel driver handed one
    process's memory to the next unscrubbed (scrub-on-free off). A default driver zeroes freed memory, so
    this alone cannot tell a working scrub from none: "resident" without the scrub must find every canary
    word it planted, or nothing in this check could have failed.
-4. bandwidth: scrub GB/s (zero + verify) against a device-to-device copy on the same card.
-5. health: health() with the XID watcher on; any problem fails it.
-6. mig: where the GPU is already in MIG mode, the same canary/scrub/probe on an idle MIG device, through
+5. bandwidth: scrub GB/s (zero + verify) against a device-to-device copy on the same card (--rate-goal, 80%).
+6. health: health() with the XID watcher on; any problem fails it.
+7. kernel-log: the log the agent reads: its records, the gap before its first one, the driver's XID records,
+   and whether it is the log of the kernel the NVIDIA driver runs in (the driver's load record against
+   /proc/driver/nvidia/version). Reported, never failed: a machine may not let the check read it.
+8. mig: where the GPU is already in MIG mode, the same canary/scrub/probe on an idle MIG device, through
    its placement as the agent scrubs it (read-only: the device exists, nothing is created). With
    --mig-scratch PROFILE:START:SIZE also the agent's path for a dynamic MIG device NVIDIA's driver has
    deleted: a GPU instance there for the tenant, destroyed, the agent's scratch instance and scrub, another
    for the probe. That creates and destroys GPU instances (never MIG mode: another MIG device must stay),
    so only where you may reconfigure MIG.
 
-It changes no GPU setting (no reset, persistence, power or MIG change unless --mig-scratch) and allocates
-with plain cuMemAlloc. Prints a table; writes gpu_check.json to --out or $OUT when set. Exit 0 on PASS (every
-step ok: self-test, scrub verified with no canary after it, the resident canary found without the scrub and
-gone with it, scrub rate at least --rate-goal of the copy rate, health, MIG), 1 otherwise.
+It changes no GPU setting (no reset, persistence, power or MIG change; no GPU instance unless --mig-scratch)
+and allocates with plain cuMemAlloc. Prints a table; writes gpu_check.json to --out or $OUT when set. Exit 0 on
+PASS (every step ok: self-test, scrub verified with no canary after it, the resident canary found without the
+scrub and gone with it, scrub rate at least --rate-goal of the copy rate, health, MIG), 1 otherwise.
 
 Runs from a checkout without installing scrubgate (python3 tests/gpu/gpu_check.py); needs
 nvidia-ml-py and cuda-bindings. Against the fakes in tests/fakes it runs without a GPU (make test does).
@@ -41,6 +50,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -51,7 +61,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 CANARY = 0x5CB6A7E1
 GiB = 1 << 30
-STEPS = ("open", "selftest", "scrub", "no-scrub", "bandwidth", "health", "mig")
+STEPS = ("open", "selftest", "scrub", "no-scrub", "bandwidth", "health", "kernel-log", "mig")
+# How long past its limit a step stuck where no signal reaches it is waited for before the check gives up on it.
+GRACE_S = 5.0
 
 
 def import_backend() -> Any:
@@ -93,6 +105,7 @@ def role_selftest(cuda: Any, args: argparse.Namespace) -> dict[str, Any]:
     ok = clean == 0 and found == len(planted) and canaries == 1000
     return {
         "ok": ok,
+        "cudaDriverVersion": cuda.call("cuDriverGetVersion"),
         "kernels": ctx.kernels,
         "kernelErrors": ctx.kernel_errors,
         "cleanWords": clean,
@@ -233,9 +246,17 @@ class Check:
         self.args = args
         self.gpu = gpu
         self.deadline = time.monotonic() + args.total_timeout
-        self.report: dict[str, Any] = {"steps": {}, "pass": False}
+        self.report: dict[str, Any] = {
+            "steps": {},
+            "pass": False,
+            "limits": {"totalS": args.total_timeout, "stepS": args.step_timeout, "graceS": GRACE_S},
+        }
         self.backend: Any = None
         self.device: Any = None
+        # Beside this file; it imports scrubgate's GPU package, importable once `gpu` is.
+        self.facts = importlib.import_module("gpu_facts")
+        self._running: tuple[str, float, float] | None = None  # the step under way: name, start, limit
+        self._done = threading.Event()
 
     # ------------------------------------------------------------ plumbing
 
@@ -250,12 +271,35 @@ class Check:
             Path(self.args.out).mkdir(parents=True, exist_ok=True)
             (Path(self.args.out) / "gpu_check.json").write_text(json.dumps(self.report, indent=2))
 
+    def watchdog(self) -> None:
+        """A step past its limit by GRACE_S is stuck where SIGALRM does not reach (a driver call that does not
+        return): record it as hung, with the report so far, and end the process."""
+        while not self._done.wait(0.2):
+            running = self._running
+            if running is None or time.monotonic() < running[1] + running[2] + GRACE_S:
+                continue
+            name, started, limit = running
+            self.report["steps"][name] = {
+                "ok": False,
+                "error": f"{name}: hung past its {limit:.0f}s limit where no signal reaches it (a call into the "
+                "driver that does not return); abandoned with the steps after it",
+                "seconds": round(time.monotonic() - started, 3),
+            }
+            self.report["pass"] = False
+            try:
+                self.save()
+                print(table(self.report), flush=True)
+            finally:
+                os._exit(1)
+
     def step(self, name: str, run: Callable[[], dict[str, Any] | None]) -> bool:
         """Runs one step under its time limit; records it (and saves the report) whatever happens."""
         started = time.monotonic()
         entry: dict[str, Any] = {}
         try:
-            with time_limit(self.limit()):
+            limit = self.limit()
+            self._running = (name, started, limit)
+            with time_limit(limit):
                 entry.update(run() or {})
             entry.setdefault("ok", True)
         except StepFailed as exc:
@@ -264,6 +308,7 @@ class Check:
             entry.update(ok=False, error=f"{name}: timed out: {exc}")
         except Exception as exc:  # a failed step must not lose the report of the others
             entry.update(ok=False, error=f"{name}: {type(exc).__name__}: {exc}")
+        self._running = None
         entry["seconds"] = round(time.monotonic() - started, 3)
         self.report["steps"][name] = entry
         self.save()
@@ -333,14 +378,24 @@ class Check:
             xid_watch = f"off: {exc}"
             self.backend = self.gpu.open_backend("nvml", watch_xids=False, **options)
         self.device = self.pick_device()
+        nvml = self.backend._nvml
+        with self.backend._session():
+            found_versions = self.facts.versions(nvml)
+            gpu = self.backend._devices.gpu(self.device.parent_uuid or self.device.uuid)
+            found_card = self.facts.card(nvml, gpu)
         return {
             "device": asdict(self.device),
+            "versions": found_versions,
+            "card": found_card,
             "scrubOnFreeDisabled": self.backend.scrub_on_free_disabled(),
             "xidWatch": xid_watch,
         }
 
     def selftest(self) -> dict[str, Any]:
         report = self.child("selftest", self.device.uuid, bytes=min(64 << 20, self.device.memory_free // 2))
+        # The agent's own start-up check (cuda_scrub.py --check on an idle device): None when CUDA works.
+        report["agentStartCheck"] = self.backend.cuda_problem()
+        report["ok"] = report["ok"] and report["agentStartCheck"] is None
         return report
 
     def canary_scrub_probe(
@@ -419,6 +474,10 @@ class Check:
             "xidWatch": self.report.get("xidWatch"),
         }
 
+    def kernel_log(self) -> dict[str, Any]:
+        found = self.facts.kernel_log(Path(self.args.kernel_log), Path(self.args.driver_version), self.limit() / 2)
+        return {"ok": True, **found}  # reported, never failed: see the module's docstring
+
     def mig(self) -> dict[str, Any]:
         gpu_uuid = self.device.parent_uuid
         migs = [d for d in self.backend.list_devices() if d.parent_uuid and d.parent_uuid == gpu_uuid]
@@ -426,8 +485,7 @@ class Check:
             return {"ok": True, "skipped": "the GPU is not in MIG mode (the check never changes that)"}
         idle = next((d for d in migs if d.uuid != self.device.uuid and not self.backend.processes(d.uuid)), None)
         target = idle or self.device
-        mig = importlib.import_module(f"{self.gpu.__name__}.mig")
-        live = self.live_instances(mig, gpu_uuid)
+        live = self.backend.live_instances(gpu_uuid)
         here = next(m for m in live if m.uuid == target.uuid)
         placement = self.gpu.MigPlacement(gpu_uuid, here.profile_id, here.start, here.size)
         # As the agent scrubs a MIG device: through its placement (a live device there is scrubbed by UUID).
@@ -443,40 +501,64 @@ class Check:
         # NVIDIA's driver creates the tenant's device on prepare and deletes it on unprepare; the agent then
         # scrubs the placement through a GPU instance of its own.
         deleted = self.canary_scrub_probe(
-            lambda: mig.scratch_instance(self.backend._nvml, self.backend._session, scratch),
-            lambda: self.backend.scrub_placement(scratch),
+            lambda: self.backend.scratch_instance(scratch), lambda: self.backend.scrub_placement(scratch)
         )
-        left = [(m.profile_id, m.start, m.size) for m in self.live_instances(mig, gpu_uuid)]
+        left = [(m.profile_id, m.start, m.size) for m in self.backend.live_instances(gpu_uuid)]
         deleted["instancesAsBefore"] = left == [(m.profile_id, m.start, m.size) for m in live]
         deleted["ok"] = deleted["ok"] and deleted["instancesAsBefore"]
         result["scratch"] = deleted
         result["ok"] = result["ok"] and deleted["ok"]
         return result
 
-    def live_instances(self, mig: Any, gpu_uuid: str) -> list[Any]:
-        """The GPU's MIG devices, with NVML open only for the lookup, as the backend opens it."""
-        with self.backend._session():
-            return mig.live_instances(self.backend._nvml, self.backend._resolve(gpu_uuid).handle)
-
     # ------------------------------------------------------------ all of it
 
     def run(self) -> dict[str, Any]:
+        threading.Thread(target=self.watchdog, name="gpu-check-watchdog", daemon=True).start()
         try:
             if self.step("open", lambda: self.report.update(self.open())):
                 for name in STEPS[1:]:
                     self.step(name, getattr(self, name.replace("-", "_")))
         finally:
+            self._done.set()
             if self.backend is not None:
                 self.backend.close()
         steps = self.report["steps"]
+        self.report["canaries"] = canaries(steps)
         self.report["pass"] = all(steps.get(n, {}).get("ok") for n in STEPS)
         self.save()
         return self.report
 
 
+def canaries(steps: dict[str, Any]) -> dict[str, Any]:
+    """Every canary result in one place: the self-test's planted and found words, the rest in bytes (a canary
+    word is 4)."""
+
+    def words(*path: str) -> int | None:
+        value: Any = steps
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value * 4 if isinstance(value, int) else None
+
+    return {
+        "selftestWordsPlantedFound": [steps.get("selftest", {}).get(k) for k in ("plantedWords", "foundWords")],
+        "afterAgentScrub": words("scrub", "probe", "canaryWords"),
+        "residentAfterAgentPass": words("scrub", "resident", "canaryWords"),
+        "withoutAgentScrub": words("no-scrub", "probe", "canaryWords"),
+        "residentWithoutScrubFoundOfPlanted": [
+            words("no-scrub", "resident", "canaryWords"),
+            words("no-scrub", "resident", "plantedWords"),
+        ],
+        "migExistingAfterAgentScrub": words("mig", "probe", "canaryWords"),
+        "migDeletedAfterAgentScrub": words("mig", "scratch", "probe", "canaryWords"),
+    }
+
+
 def table(report: dict[str, Any]) -> str:
     steps = report["steps"]
-    rows = [(f"step {n}", "ok" if s["ok"] else f"FAILED {s.get('error', '')}") for n, s in steps.items()]
+    rows = [
+        (f"step {n}", f"{s.get('seconds', 0):7.2f} s  " + ("ok" if s["ok"] else f"FAILED {s.get('error', '')}"))
+        for n, s in steps.items()
+    ]
     device = report.get("device")
     if device:
         rows += [
@@ -487,6 +569,13 @@ def table(report: dict[str, Any]) -> str:
             ),
             ("RMDisableScrubOnFree", str(report.get("scrubOnFreeDisabled"))),
         ]
+    versions, card = report.get("versions") or {}, report.get("card") or {}
+    if versions:
+        rows.append(("versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
+    if card:
+        rows.append(("card", ", ".join(f"{k} {v}" for k, v in card.items())))
+    if "cudaDriverVersion" in steps.get("selftest", {}):
+        rows.append(("CUDA driver API", str(steps["selftest"]["cudaDriverVersion"])))
     if "selftest" in steps and "kernels" in steps["selftest"]:
         rows.append(("kernels", steps["selftest"]["kernels"]))
     scrub = steps.get("scrub", {})
@@ -498,6 +587,11 @@ def table(report: dict[str, Any]) -> str:
             ("scrubbed", f"{cov['bytesScrubbed'] / GiB:.2f} GiB in {result['duration_s']:.2f} s wall"),
             ("unreached by the scrub", f"{cov['bytesUnreachable'] / GiB:.3f} GiB ({cov['unreachedShare']:.2%})"),
             ("canary after agent scrub", f"{scrub['probe']['canaryWords'] * 4} bytes (must be 0)"),
+            (
+                "scrub process",
+                f"device {result['kernel_s'] or 0:.3f} s, wall {result['duration_s']:.2f} s, host memory "
+                f"{(result['host_rss_bytes'] or 0) / (1 << 20):.0f} MiB peak",
+            ),
         ]
     if "resident" in scrub:
         rows.append(("resident canary, agent pass", f"{scrub['resident']['canaryWords'] * 4} bytes left (must be 0)"))
@@ -521,6 +615,17 @@ def table(report: dict[str, Any]) -> str:
             ("scrub, same buffer", f"{bw['scrubGBps']:.0f} GB/s = {bw['scrubToCopy']:.0%} of copy"),
             ("scrub, whole device", f"{bw.get('wholeDeviceScrubGBps') or 0:.0f} GB/s (zero+verify, no allocation)"),
         ]
+    log = steps.get("kernel-log", {})
+    if "readable" in log:
+        rows.append(
+            (
+                "kernel log",
+                f"host's: {log.get('host')}; {log.get('records')} records from #{log.get('firstSeq')}, "
+                f"{log.get('xidRecords')} XID records; driver loaded: {log.get('driverLoaded')}"
+                if log["readable"]
+                else f"not readable ({log.get('error')})",
+            )
+        )
     rows.append(("result", "PASS" if report["pass"] else "FAIL"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -540,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-bytes", type=int, default=256 << 20, help="left free by the first pass")
     parser.add_argument("--max-unreachable", type=float, default=0.02, help="as the agent's --max-unreachable")
     parser.add_argument("--rate-goal", type=float, default=0.8, help="scrub rate / copy rate needed to pass")
-    parser.add_argument("--step-timeout", type=float, default=150.0, help="seconds per step (and child process)")
+    parser.add_argument("--step-timeout", type=float, default=90.0, help="seconds per step (and child process)")
     parser.add_argument(
         "--driver-params",
         default="/proc/driver/nvidia/params",
@@ -550,12 +655,19 @@ def main(argv: list[str] | None = None) -> int:
         "--kernel-log", default="/dev/kmsg", help="where the agent reads XIDs (the driver's NVRM: Xid lines)"
     )
     parser.add_argument(
+        "--driver-version",
+        default="/proc/driver/nvidia/version",
+        help="the driver's own version file, against its load record in the kernel log",
+    )
+    parser.add_argument(
         "--mig-scratch",
         metavar="PROFILE:START:SIZE",
         help="also the agent's path for a deleted dynamic MIG device, on this free placement (GI profile ID, "
         "first memory slice, memory slices): creates and destroys GPU instances",
     )
-    parser.add_argument("--total-timeout", type=float, default=480.0, help="seconds for the whole check")
+    parser.add_argument(
+        "--total-timeout", type=float, default=280.0, help="seconds for the whole check (under 5 minutes)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
     args = parser.parse_args(argv)
     report = Check(args, import_backend()).run()

@@ -266,6 +266,11 @@ atexit.register(_scrub_on_exit)
 # ---------------------------------------------------------------- API
 
 
+def cuDriverGetVersion() -> tuple[CUresult, int]:
+    """The CUDA version the driver supports (1000 * major + 10 * minor); needs no cuInit."""
+    return (_fault("cuDriverGetVersion") or CUresult.CUDA_SUCCESS, int(_config().get("driverVersion", 13000)))
+
+
 def cuInit(Flags: int) -> tuple[CUresult]:
     if Flags != 0:
         return (CUresult.CUDA_ERROR_INVALID_VALUE,)
