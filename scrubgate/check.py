@@ -126,16 +126,19 @@ class Progress:
         if self.current is not None:
             file, position, size = self.current
             line += f"; reading {file} ({position / max(size, 1):.0%} of {size / 1e6:.1f} MB)"
-        self._write(f"\r{line}\033[K" if self.terminal else line + "\n")
+        self._write(line, end="")
         self.shown = True
 
     def done(self) -> None:
-        """Clears the terminal's progress line (the report follows)."""
-        if self.shown and self.terminal:
-            self._write("\r\033[K")
+        """Where progress was shown, its last line: all read (the checks across documents and the report
+        follow)."""
+        if self.shown:
+            elapsed = self.clock() - self.start
+            self._write(f"scrubgate check: {self.files:,} of {self.total:,} file(s) read in {elapsed:.0f} s", end="\n")
 
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
+    def _write(self, line: str, end: str) -> None:
+        """On a terminal the line replaces the last one; in a log each is a line of its own."""
+        self.stream.write(f"\r{line}\033[K{end}" if self.terminal else line + "\n")
         self.stream.flush()
 
 

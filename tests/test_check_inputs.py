@@ -178,6 +178,16 @@ class Clock:
         return self.now
 
 
+def test_a_short_run_shows_no_progress():
+    stream, clock = io.StringIO(), Clock()
+    progress = Progress(stream, terminal=True, clock=clock)
+    progress.total = 2
+    clock.now += check.PROGRESS_AFTER - 0.1
+    progress.files_read(2)
+    progress.done()
+    assert stream.getvalue() == ""
+
+
 def test_progress_stays_silent_for_a_short_run_then_rewrites_one_terminal_line():
     stream, clock = io.StringIO(), Clock()
     progress = Progress(stream, terminal=True, clock=clock)
@@ -196,8 +206,9 @@ def test_progress_stays_silent_for_a_short_run_then_rewrites_one_terminal_line()
     clock.now += check.PROGRESS_EVERY[True]
     progress.files_read(935)
     assert stream.getvalue().endswith("\rscrubgate check: 1,000 of 1,000 file(s) read, 4 s\x1b[K")
-    progress.done()
-    assert stream.getvalue().endswith("\r\x1b[K")  # the line is cleared for the report
+    clock.now += 1.0
+    progress.done()  # the last line stays, the report follows it
+    assert stream.getvalue().endswith("\rscrubgate check: 1,000 of 1,000 file(s) read in 5 s\x1b[K\n")
 
 
 def test_progress_into_a_log_writes_whole_lines_less_often():
@@ -214,6 +225,7 @@ def test_progress_into_a_log_writes_whole_lines_less_often():
     assert stream.getvalue().splitlines() == [
         "scrubgate check: 1 of 10 file(s) read, 3 s",
         "scrubgate check: 3 of 10 file(s) read, 14 s",
+        "scrubgate check: 3 of 10 file(s) read in 14 s",
     ]
     assert "\r" not in stream.getvalue()
 
@@ -237,7 +249,7 @@ def test_progress_shows_only_on_a_terminal_or_when_asked(run_cli, tmp_path, monk
     assert len(json.loads(out)["findings"]) == 3  # the report is unchanged
     monkeypatch.setattr(type(sys.stderr), "isatty", lambda self: True)
     code, _, err = run_cli("check", "--format", "json", str(corpus))
-    assert "\rscrubgate check: " in err and err.count("\r\x1b[K") == 1
+    assert "\rscrubgate check: 3 of 3 file(s) read in 0 s\x1b[K\n" in err
     code, _, err = run_cli("check", "--format", "json", "--no-progress", str(corpus))
     assert "file(s) read" not in err
 

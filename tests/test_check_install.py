@@ -119,6 +119,29 @@ def test_the_pre_commit_hook_runs_without_extras(runtime, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_check_imports_only_what_it_needs(tmp_path):
+    """Even where every extra is installed (the image), `check` loads no server code, nor what only --fix
+    needs: a pipeline's start-up is the checker's."""
+    probe = (
+        "import sys; from scrubgate.cli import main; code = main(sys.argv[1:]); "
+        "print(sorted({m.partition('.')[0] for m in sys.modules} | {m for m in sys.modules if m.startswith('scrubgate.')}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", probe, "check", "--format", "sarif", str(REPO / "manifests" / "examples" / "bad")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    loaded = set(json.loads(done.stdout.splitlines()[-1].replace("'", '"')))
+    assert "scrubgate.policies.engine" in loaded  # the probe saw the check run
+    unwanted = {*SERVER_MODULES, "ruamel", "jsonpatch", "scrubgate.cluster", "scrubgate.policyreport"}
+    unwanted |= {
+        m for m in loaded if m.startswith(("scrubgate.webhook", "scrubgate.sanitizer_agent", "scrubgate.certs"))
+    }
+    assert not loaded & unwanted, loaded & unwanted
+
+
 def test_certs_and_audit_need_no_extra(runtime, tmp_path):
     done = run(runtime, "certs", "generate", "--out", str(tmp_path / "certs"))
     assert done.returncode == 0, done.stderr
