@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from .check import CheckedObject
-from .sources import STDIN_NAME
+from .sources import DOCUMENT_START, STDIN_NAME, SafeLoader
 
 # Comment and blank lines before the first `---`: ruamel.yaml drops them, so they are carried over by hand.
 _LEADING_COMMENTS = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
@@ -82,7 +82,7 @@ def _dump(yaml_: YAML, documents: list[Any], text: str) -> str:
 
 
 def _load_yaml(text: str) -> list[Any]:
-    return list(yaml.safe_load_all(text))
+    return list(yaml.load_all(text, Loader=SafeLoader))
 
 
 def _load_json(text: str) -> list[Any]:
@@ -91,9 +91,30 @@ def _load_json(text: str) -> list[Any]:
 
 def _keep_untouched(original: str, unchanged: str, patched: str, load: Callable[[str], list[Any]]) -> str:
     """`patched` with the original's lines wherever the patches changed nothing. `unchanged` is ruamel's text
-    of the same documents unpatched: it differs from `original` only in layout. A three-way merge: between
-    lines that all three share, the original's lines where the patched text is as unchanged, the patched
-    lines otherwise. What does not read back as `patched` does is not used."""
+    of the same documents unpatched: it differs from `original` only in layout. Document by document where
+    the three have as many (a document the patches left alone is the original's as it is), line by line in
+    the others (`_merge`). What does not read back as `patched` does is not used."""
+    documents = [_split_documents(text) for text in (original, unchanged, patched)]
+    if len({len(d) for d in documents}) == 1:
+        merged = "".join(o if u == p else _merge(o, u, p) for o, u, p in zip(*documents, strict=True))
+    else:
+        merged = _merge(original, unchanged, patched)
+    try:
+        if load(merged) == load(patched):
+            return merged
+    except (yaml.YAMLError, ValueError):
+        pass
+    return patched
+
+
+def _split_documents(text: str) -> list[str]:
+    starts = [0] + [m.start() for m in DOCUMENT_START.finditer(text) if m.start() > 0]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+def _merge(original: str, unchanged: str, patched: str) -> str:
+    """A three-way merge by lines: between lines that all three share, the original's lines where the patched
+    text is as unchanged, the patched lines otherwise."""
     o, u, p = (s.splitlines(keepends=True) for s in (original, unchanged, patched))
     o_of = _matched(u, o)
     p_of = _matched(u, p)
@@ -106,13 +127,7 @@ def _keep_untouched(original: str, unchanged: str, patched: str, load: Callable[
         if j < len(u):
             merged.append(o[i])
         last_o, last_u, last_p = i, j, k
-    text = "".join(merged)
-    try:
-        if load(text) == load(patched):
-            return text
-    except (yaml.YAMLError, ValueError):
-        pass
-    return patched
+    return "".join(merged)
 
 
 def _matched(a: list[str], b: list[str]) -> dict[int, int]:

@@ -25,13 +25,14 @@ import yaml
 
 from . import fastyaml
 
+# PyYAML's safe loader, in C where libyaml is there (without it: correct, only slower).
 try:
-    from yaml import CSafeLoader as _SafeLoader
-except ImportError:  # libyaml missing: correct, only slower
-    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+    from yaml import CSafeLoader as SafeLoader
+except ImportError:
+    from yaml import SafeLoader  # type: ignore[assignment]
 
 
-class _Loader(_SafeLoader):
+class _Loader(SafeLoader):
     """The safe loader minus work that cannot change its result. A node without an explicit tag is tagged
     with `slice(kind, value, implicit)`, the arguments of PyYAML's `resolve`, and its tag is resolved when the
     node is read (`_tag`): the composer (C in libyaml's loader) then calls no Python code per node, which was
@@ -85,7 +86,7 @@ SUFFIXES = (".yaml", ".yml", ".json")
 STDIN = "-"
 STDIN_NAME = "<stdin>"
 # A line that starts a new YAML document; at column 0 it cannot be part of a block scalar.
-_DOCUMENT_START = re.compile(r"^---(?:[ \t]|$)", re.MULTILINE)
+DOCUMENT_START = re.compile(r"^---(?:[ \t]|$)", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +292,7 @@ def _parse_by_document(file: str, text: str) -> tuple[list[Parsed], list[InputEr
     after it keep their index."""
     documents: list[Parsed] = []
     errors: list[InputError] = []
-    starts = [0] + [m.start() for m in _DOCUMENT_START.finditer(text) if m.start() > 0]
+    starts = [0] + [m.start() for m in DOCUMENT_START.finditer(text) if m.start() > 0]
     for begin, end in zip(starts, [*starts[1:], len(text)], strict=True):
         offset = text.count("\n", 0, begin)
         chunk = text[begin:end]
