@@ -169,7 +169,8 @@ def _check_paths(args: argparse.Namespace, policy: PolicyConfig) -> CheckResult:
     from .check import Progress, run_check
     from .sources import STDIN
 
-    if STDIN in args.paths and sys.stdin.isatty():
+    typed = STDIN in args.paths and sys.stdin.isatty()
+    if typed:
         # `scrubgate check` alone reads stdin: say so, rather than wait in silence.
         print(
             "scrubgate check: reading manifests from standard input (end with Ctrl-D); to check files, "
@@ -177,7 +178,7 @@ def _check_paths(args: argparse.Namespace, policy: PolicyConfig) -> CheckResult:
             file=sys.stderr,
         )
     progress = None
-    if args.progress or (args.progress is None and sys.stderr.isatty()):
+    if args.progress or (args.progress is None and sys.stderr.isatty() and not typed):  # no clock while one types
         progress = Progress(sys.stderr, terminal=sys.stderr.isatty())
     result = run_check(
         args.paths,
