@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# One image for the webhook and the node agent: ghcr.io/scrubgate/scrubgate:<version>.
+# One image for the webhook and the node agent: ghcr.io/scrubgate/scrubgate:<version>, with the `server`
+# extra (what runs in a cluster) and the `gpu` extra (tools/install-image.sh).
 # One image, not two, because the `gpu` extra is only Python bindings (nvidia-ml-py, cuda-bindings, a few
 # MB) that load the driver libraries the NVIDIA container runtime mounts into the agent's container; the
 # webhook never imports them. One tag to pin, scan and sign, and the webhook and the agent can never run

@@ -9,6 +9,7 @@ export K8S_VERSION
 
 .PHONY: demo test lint check-examples cluster-bins bench clean
 
+# The test extra brings the server extra (webhook, agent, cluster commands) with it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

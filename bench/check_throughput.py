@@ -11,9 +11,18 @@ shape, it times:
   * `checkov -d CORPUS --framework kubernetes --quiet` on the same corpus, where checkov is installed in
     bench/.checkov-venv (see bench/README.md): the ratio (goal: scrubgate >= 20x faster).
 
-Run: .venv/bin/python bench/check_throughput.py [--docs 12000] [--shape multi-document many-small]
+Run: .venv/bin/python bench/check_throughput.py [--docs 12000 ...] [--shape multi-document many-small]
                                                 [--repeat 3] [--no-checkov]
 Prints a table per shape; exits 1 when a goal is missed.
+
+Installs side by side (issue 31): `--installs VENV [VENV ...]` times the `scrubgate` of each virtualenv instead,
+in alternating rounds, on each corpus: the size of its site-packages, its start-up (`check` of one small
+document) and `check --format json CORPUS` (wall and CPU). For example, the checker alone against the same
+with the server extra:
+
+  python3 -m venv /tmp/light && /tmp/light/bin/pip install .
+  python3 -m venv /tmp/full && /tmp/full/bin/pip install '.[server]'
+  .venv/bin/python bench/check_throughput.py --shape many-small --docs 1440 13440 --installs /tmp/light /tmp/full
 """
 
 from __future__ import annotations
@@ -275,6 +284,48 @@ def run_checkov(corpus: Path) -> int:
     return failed
 
 
+def site_packages_mb(venv: Path) -> float:
+    """What a virtualenv's site-packages hold on disk (pip included: every fresh virtualenv has it)."""
+    total = 0
+    for root, _, files in os.walk(next(venv.glob("lib/python*/site-packages"))):
+        total += sum(os.lstat(os.path.join(root, name)).st_blocks * 512 for name in files)
+    return total / 2**20
+
+
+def timed_check(scrubgate: Path, target: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of `scrubgate check --format json TARGET`."""
+    before, start = children_cpu(), time.perf_counter()
+    done = subprocess.run([str(scrubgate), "check", "--format", "json", str(target)], capture_output=True, check=False)
+    wall = time.perf_counter() - start
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{scrubgate} check {target} failed with exit {done.returncode}: {done.stderr[-2000:]!r}")
+    return wall, children_cpu() - before
+
+
+def compare_installs(args: argparse.Namespace, corpus: Path, shape: str, docs: int) -> None:
+    """Each install's size, start-up and run over the corpus, rounds alternating between installs (on a shared
+    machine only alternating runs compare); best and median of `--repeat` rounds."""
+    generate(corpus, docs, shape)
+    one = min(corpus.glob("*/*.yaml"))
+    installs = [(venv, venv / "bin" / "scrubgate") for venv in args.installs]
+    startup: dict[Path, list[tuple[float, float]]] = {venv: [] for venv, _ in installs}
+    runs: dict[Path, list[tuple[float, float]]] = {venv: [] for venv, _ in installs}
+    for _ in range(args.repeat):
+        for venv, scrubgate in installs:
+            startup[venv] += [timed_check(scrubgate, one) for _ in range(3)]
+            runs[venv].append(timed_check(scrubgate, corpus))
+    print(f"\n{shape} corpus, {docs:,} documents: {corpus}")
+    print("| install | site-packages | start-up: check of one document | check --format json CORPUS |")
+    print("| --- | ---: | ---: | ---: |")
+    for venv, _ in installs:
+        walls = sorted(w for w, _ in runs[venv])
+        print(
+            f"| {venv} | {site_packages_mb(venv):.0f} MB | {min(w for w, _ in startup[venv]):.3f} s "
+            f"(median {statistics.median(w for w, _ in startup[venv]):.3f} s) | {walls[0]:.2f} s "
+            f"(median {statistics.median(walls):.2f} s), {min(c for _, c in runs[venv]):.2f} CPU-s |"
+        )
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -289,7 +340,16 @@ def machine() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=12_000, help="documents in the corpus (default 12000)")
+    parser.add_argument(
+        "--docs", type=int, nargs="+", default=[12_000], help="documents in the corpus, one corpus each (default 12000)"
+    )
+    parser.add_argument(
+        "--installs",
+        type=Path,
+        nargs="+",
+        metavar="VENV",
+        help="time the scrubgate of these virtualenvs side by side instead (see above)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per scrubgate measurement; the best counts")
     parser.add_argument(
         "--corpus",
@@ -305,14 +365,18 @@ def main() -> int:
     print(f"machine: {machine()}")
     failed = 0
     for shape in args.shape:
-        with tempfile.TemporaryDirectory(prefix="scrubgate-bench-") as tmp:
-            corpus = (args.corpus / shape) if args.corpus else Path(tmp) / "corpus"
-            failed |= bench(args, corpus, shape)
+        for docs in args.docs:
+            with tempfile.TemporaryDirectory(prefix="scrubgate-bench-") as tmp:
+                corpus = (args.corpus / shape) if args.corpus else Path(tmp) / "corpus"
+                if args.installs:
+                    compare_installs(args, corpus, shape, docs)
+                else:
+                    failed |= bench(args, corpus, shape, docs)
     return failed
 
 
-def bench(args: argparse.Namespace, corpus: Path, shape: str) -> int:
-    violating = generate(corpus, args.docs, shape)
+def bench(args: argparse.Namespace, corpus: Path, shape: str, docs: int) -> int:
+    violating = generate(corpus, docs, shape)
     policy = load_policy()
     rows: list[tuple[str, str, str, str]] = []
     missed = []

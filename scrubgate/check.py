@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from scrubgate.policies.config import PolicyConfig
 from scrubgate.policies.engine import shared_claims, validate
+from scrubgate.policies.model import kind_of
 
 from .reading import CheckedObject, namespace_of, read_all, trusted_namespaces
 from .sources import STDIN, STDIN_NAME, Document, InputError, expand_paths
 
-__all__ = ["CheckResult", "CheckedObject", "check_documents", "run_check"]
+__all__ = ["CheckResult", "CheckedObject", "Progress", "check_documents", "run_check"]
 
 
 @dataclass(slots=True)
@@ -22,9 +25,15 @@ class CheckResult:
     objects: list[CheckedObject] = field(default_factory=list)
     errors: list[InputError] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)  # Helm chart templates left out (see expand_paths)
+    repeats: list[tuple[str, str]] = field(default_factory=list)  # directories met again (see expand_paths)
 
     def count(self, action: str) -> int:
         return sum(1 for o in self.objects for f in o.findings if f.action == action)
+
+    @property
+    def kubernetes_objects(self) -> int:
+        """The objects that have an apiVersion and a kind (a Helm values file, say, has neither)."""
+        return sum(1 for o in self.objects if is_kubernetes_object(o.document))
 
     @property
     def exit_code(self) -> int:
@@ -76,30 +85,119 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
+def is_kubernetes_object(document: Document) -> bool:
+    return all(kind_of(document.obj))
+
+
+# Progress appears once reading has taken this long, and is then written again this often: on a terminal in
+# place, else (--progress into a CI log) a line at a time.
+PROGRESS_AFTER = 3.0
+PROGRESS_EVERY = {True: 0.5, False: 10.0}
+
+
+class Progress:
+    """How far a long read has come, on stderr: as checkov does, only on a terminal unless asked for
+    (`--progress`), and, unlike checkov, not at all for the runs that end within PROGRESS_AFTER seconds."""
+
+    def __init__(self, stream: TextIO, terminal: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream, self.terminal, self.clock = stream, terminal, clock
+        self.start = clock()
+        self.due = self.start + PROGRESS_AFTER
+        self.total = self.files = 0
+        self.current: tuple[str, int, int] | None = None  # a file being read: its name, where, its size
+        self.shown = False
+
+    def files_read(self, count: int) -> None:
+        self.files += count
+        self.current = None
+        self._show()
+
+    def reading(self, file: str, position: int, size: int) -> None:
+        """Told at each document of a file read in this process (`position` and `size` in characters)."""
+        self.current = (file, position, size)
+        self._show()
+
+    def _show(self) -> None:
+        now = self.clock()
+        if now < self.due:
+            return
+        self.due = now + PROGRESS_EVERY[self.terminal]
+        line = f"scrubgate check: {self.files:,} of {self.total:,} file(s) read, {now - self.start:.0f} s"
+        if self.current is not None:
+            file, position, size = self.current
+            line += f"; reading {file} ({position / max(size, 1):.0%} of {size / 1e6:.1f} MB)"
+        self._write(line, end="")
+        self.shown = True
+
+    def done(self) -> None:
+        """Where progress was shown, its last line: all read (the checks across documents and the report
+        follow)."""
+        if self.shown:
+            elapsed = self.clock() - self.start
+            self._write(f"scrubgate check: {self.files:,} of {self.total:,} file(s) read in {elapsed:.0f} s", end="\n")
+
+    def _write(self, line: str, end: str) -> None:
+        """On a terminal the line replaces the last one; in a log each is a line of its own."""
+        self.stream.write(f"\r{line}\033[K{end}" if self.terminal else line + "\n")
+        self.stream.flush()
+
+
 def run_check(
     paths: list[str],
     policy: PolicyConfig,
     overrides: Mapping[str, bool] | None = None,
     exclude: tuple[str, ...] = (),
+    *,
+    require_objects: bool = False,
+    progress: Progress | None = None,
 ) -> CheckResult:
+    """Checks the PATHs; `require_objects`: finding no Kubernetes object in them is an input error."""
     with _no_cyclic_gc():
-        return _run_check(paths, policy, overrides, exclude)
+        result = _run_check(paths, policy, overrides, exclude, progress)
+    if progress is not None:
+        progress.done()
+    if require_objects and not result.kubernetes_objects and not result.errors:
+        result.errors += [
+            InputError(
+                path,
+                None,
+                "no Kubernetes object found (--fail-if-no-objects-found): directories are searched for *.yaml, "
+                "*.yml and *.json files, and a document needs apiVersion and kind",
+            )
+            for path in paths
+        ]
+    return result
 
 
 def _run_check(
-    paths: list[str], policy: PolicyConfig, overrides: Mapping[str, bool] | None, exclude: tuple[str, ...]
+    paths: list[str],
+    policy: PolicyConfig,
+    overrides: Mapping[str, bool] | None,
+    exclude: tuple[str, ...],
+    progress: Progress | None,
 ) -> CheckResult:
     result = CheckResult()
     expanded = expand_paths(paths, exclude)
-    result.errors, result.templates = expanded.errors, expanded.templates
+    result.errors, result.templates, result.repeats = expanded.errors, expanded.templates, expanded.repeats
     checked: list[CheckedObject] = []
-    for part in read_all(expanded.files, policy, overrides or {}):
+    if progress is not None:
+        progress.total = len(expanded.files)
+    tick = progress.reading if progress is not None else None
+    for part in read_all(expanded.files, policy, overrides or {}, tick):
         result.files += part.files
         result.errors += part.errors
         checked += part.checked
+        if progress is not None:
+            progress.files_read(part.files)
+    # In every format by file name, whatever the order of the PATHs (a directory's files are sorted already).
+    checked.sort(key=lambda c: (c.document.file, c.document.index))
     result.objects = check_documents([c.document for c in checked], policy, overrides, checked)
     piped = STDIN in expanded.files
-    if piped and not any(o.document.file == STDIN_NAME for o in result.objects) and not result.errors:
+    if (
+        piped
+        and not any(o.document.file == STDIN_NAME and is_kubernetes_object(o.document) for o in result.objects)
+        and not result.errors
+    ):
         # In `helm template ... | scrubgate check -`, a command that failed writes nothing: passing would
         # hide that nothing was checked.
         result.errors.append(

@@ -6,10 +6,32 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
 
+if TYPE_CHECKING:
+    from scrubgate.policies.config import PolicyConfig
+
+    from .check import CheckResult
+
 FORMATS = ("text", "json", "sarif", "junit", "policyreport")
+
+# The optional extras (pyproject.toml), by the top-level modules their packages bring: `pip install scrubgate`
+# is `check` for a pipeline; a command that needs more says which extra to install instead of a traceback.
+EXTRA_OF_MODULE = {
+    # the webhook, the agent, and the commands that talk to a cluster (check --cluster, reports, uninstall)
+    "fastapi": "server",
+    "starlette": "server",
+    "uvicorn": "server",
+    "h11": "server",
+    "prometheus_client": "server",
+    "kubernetes": "server",
+    "urllib3": "server",
+    # the agent's GPU backend
+    "pynvml": "gpu",
+    "cuda": "gpu",
+}
 
 
 def _tenancy(value: str) -> tuple[str, bool]:
@@ -54,13 +76,23 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kubeconfig", help="with --cluster: kubeconfig file (default: KUBECONFIG or ~/.kube/config)")
     p.add_argument("--context", help="with --cluster: kubeconfig context (default: the current one)")
+    p.add_argument(
+        "--fail-if-no-objects-found",
+        action="store_true",
+        help="exit 2 when the PATHs hold no Kubernetes object (without it: a warning on stderr)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress on stderr once reading takes over a few seconds (default: when stderr is a terminal)",
+    )
     p.set_defaults(handler=run_check_command)
 
 
 def run_check_command(args: argparse.Namespace) -> int:
     from scrubgate.policies.config import PolicyError, load_policy
 
-    from .check import run_check
     from .report import build_report, render_json, render_junit, render_sarif, render_text
 
     if args.in_place and not args.fix:
@@ -74,6 +106,9 @@ def run_check_command(args: argparse.Namespace) -> int:
         return 2
     if not args.cluster and (args.kubeconfig or args.context):
         print("scrubgate check: --kubeconfig and --context go with --cluster", file=sys.stderr)
+        return 2
+    if args.cluster and args.fail_if_no_objects_found:
+        print("scrubgate check: --fail-if-no-objects-found goes with PATHs, not --cluster", file=sys.stderr)
         return 2
     try:
         policy = load_policy(args.policy)
@@ -93,13 +128,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"scrubgate check: note: {note}", file=sys.stderr)
     else:
-        result = run_check(args.paths, policy, dict(args.namespace_tenancy), tuple(args.exclude))
-        if result.templates:
-            print(
-                f"scrubgate check: note: left out Helm chart templates ({', '.join(result.templates)}): they are Go "
-                "templates, not manifests; check what they render: helm template CHART | scrubgate check -",
-                file=sys.stderr,
-            )
+        result = _check_paths(args, policy)
     report = build_report(result)
     out = sys.stdout
     if args.fix:
@@ -133,6 +162,48 @@ def run_check_command(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `scrubgate check ... | head`: the reader has what it wanted; the verdict stands
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     return result.exit_code
+
+
+def _check_paths(args: argparse.Namespace, policy: PolicyConfig) -> CheckResult:
+    """`check` of files, directories and stdin, with its notes on stderr."""
+    from .check import Progress, run_check
+    from .sources import STDIN
+
+    typed = STDIN in args.paths and sys.stdin.isatty()
+    if typed:
+        # `scrubgate check` alone reads stdin: say so, rather than wait in silence.
+        print(
+            "scrubgate check: reading manifests from standard input (end with Ctrl-D); to check files, "
+            "name them or a directory: scrubgate check .",
+            file=sys.stderr,
+        )
+    progress = None
+    if args.progress or (args.progress is None and sys.stderr.isatty() and not typed):  # no clock while one types
+        progress = Progress(sys.stderr, terminal=sys.stderr.isatty())
+    result = run_check(
+        args.paths,
+        policy,
+        dict(args.namespace_tenancy),
+        tuple(args.exclude),
+        require_objects=args.fail_if_no_objects_found,
+        progress=progress,
+    )
+    if result.templates:
+        print(
+            f"scrubgate check: note: left out Helm chart templates ({', '.join(result.templates)}): they are Go "
+            "templates, not manifests; check what they render: helm template CHART | scrubgate check -",
+            file=sys.stderr,
+        )
+    for link, same in result.repeats:
+        print(f"scrubgate check: note: not read twice: {link} is {same}, read already", file=sys.stderr)
+    if not result.kubernetes_objects and not result.errors:
+        print(
+            f"scrubgate check: warning: no Kubernetes object in {' '.join(args.paths)}: nothing was checked "
+            "(directories are searched for *.yaml, *.yml and *.json; a document needs apiVersion and kind); "
+            "--fail-if-no-objects-found makes this an error",
+            file=sys.stderr,
+        )
+    return result
 
 
 def _add_component(sub: argparse._SubParsersAction, name: str, help_text: str, module: str, add: str, run: str) -> None:
@@ -177,8 +248,22 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
-    return args.handler(args)
+    try:
+        args = build_parser(argv).parse_args(argv)
+        return args.handler(args)
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "")
+        if command == "check" and "--cluster" in argv:
+            command += " --cluster"
+        print(
+            f"scrubgate {command}: needs the `{extra}` extra, which is not installed here (module {exc.name} is "
+            f"missing): pip install 'scrubgate[{extra}]' (the container image has every extra)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

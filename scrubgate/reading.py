@@ -8,7 +8,7 @@ import dataclasses
 import marshal
 import multiprocessing
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from scrubgate.policies.config import PolicyConfig
@@ -84,7 +84,11 @@ class _Reader:
         self.found[id(doc)] = CheckedObject(doc, findings, is_trusted)
 
 
-def read_files(files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool]) -> Part:
+# Told of each document read, for progress: the file's name, where the document ends and the file's size.
+Tick = Callable[[str, int, int], None]
+
+
+def read_files(files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool], tick: Tick | None = None) -> Part:
     part = Part()
     reader = _Reader(policy, overrides)
     for file in files:
@@ -94,7 +98,14 @@ def read_files(files: list[str], policy: PolicyConfig, overrides: Mapping[str, b
             part.errors.append(text)
             continue
         reader.found = {}  # a file read again after a syntax error is settled again
-        documents, errors = read_documents(display_name(file), text, reader.settle)
+        name, settle = display_name(file), reader.settle
+        if tick is not None:
+
+            def settle(doc: Document, name: str = name, size: int = len(text)) -> None:
+                reader.settle(doc)
+                tick(name, doc.span.end if doc.span is not None else size, size)
+
+        documents, errors = read_documents(name, text, settle)
         part.checked += [reader.found[id(doc)] for doc in documents if not _kind_without_api_version(doc)]
         part.errors += errors + [_missing_api_version(doc) for doc in documents if _kind_without_api_version(doc)]
     return part
@@ -112,13 +123,15 @@ def _missing_api_version(doc: Document) -> InputError:
     )
 
 
-def read_all(files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool]) -> Iterator[Part]:
+def read_all(
+    files: list[str], policy: PolicyConfig, overrides: Mapping[str, bool], tick: Tick | None = None
+) -> Iterator[Part]:
     """The files read in their order, by this process and one more per further CPU where there are many. This
     process reads every CPU-th task itself, between taking the others' results: a task read here costs nothing
-    to send back, and no third process competes for two CPUs."""
+    to send back, and no third process competes for two CPUs. `tick` hears of the documents read here."""
     workers = min(cpus(), len(files) // FILES_PER_TASK) - 1
     if len(files) < PARALLEL_FILES or workers < 1 or STDIN in files:
-        yield read_files(files, policy, overrides)
+        yield read_files(files, policy, overrides, tick)
         return
     tasks = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
     share = workers + 1
@@ -127,7 +140,7 @@ def read_all(files: list[str], policy: PolicyConfig, overrides: Mapping[str, boo
         sent = pool.imap(_read_in_worker, [task for i, task in enumerate(tasks) if i % share])
         for i, task in enumerate(tasks):
             if i % share == 0:
-                yield read_files(task, policy, overrides)
+                yield read_files(task, policy, overrides, tick)
             else:
                 part = next(sent)
                 yield part if isinstance(part, Part) else _unpack(part)

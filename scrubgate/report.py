@@ -12,15 +12,29 @@ from xml.etree import ElementTree
 
 from pydantic import BaseModel
 
-from scrubgate.policies.engine import object_ref
+from scrubgate.policies.engine import Finding, object_ref
 from scrubgate.policies.rules_meta import RULES
 
 from . import __version__
-from .check import CheckResult
+from .check import CheckedObject, CheckResult
 
 INFORMATION_URI = "https://github.com/scrubgate/scrubgate"
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVEL = {"deny": "error", "warn": "warning", "audit": "note", "off": "none"}
+# Each rule's CVSS-like score for SARIF's `security-severity` (docs/rules.md gives each one's reason): what a
+# breach of the rule lets one tenant do to another's GPU memory.
+SECURITY_SEVERITY = {
+    "SG001": "8.1",  # the device goes to the next claim unscrubbed
+    "SG002": "7.5",  # one claim's device crosses pods, and tenants
+    "SG003": "5.3",  # the device may be unprepared before its containers have stopped
+    "SG004": "3.1",  # the webhook adds the finalizer; a manifest without it only depends on the webhook
+    "SG005": "8.1",  # a fenced device, still holding a tenant's data, can be allocated
+    "SG006": "8.1",  # admin access reaches devices in use by other claims
+    "SG007": "9.1",  # the scrub's proof, or the fence, is bypassed: the guard itself is off
+    "SG008": "7.1",  # the pod is gone before its device is unprepared and scrubbed
+    "SG009": "8.1",  # a GPU class outside the policy: none of its claims is guarded
+    "SG010": "8.1",  # a namespace made trusted turns the multi-tenant rules off for it
+}
 
 
 class RuleRef(BaseModel):
@@ -71,24 +85,31 @@ class Report(BaseModel):
     summary: Summary
 
 
+def _finding_out(checked: CheckedObject, f: Finding) -> FindingOut:
+    return FindingOut(
+        rule=RuleRef(id=f.rule, name=f.name),
+        action=f.action,
+        message=f.message,
+        object=ObjectRef(**object_ref(checked.document.obj)),
+        location=Location(
+            file=checked.document.file, line=checked.document.line_of(f.path), document=checked.document.index
+        ),
+        patch=[dict(op) for op in f.patch],
+    )
+
+
+def _by_place(f: FindingOut) -> tuple[str, int, int, str, str]:
+    """Findings in the order of the text: by file, line, document, then rule."""
+    return f.location.file, f.location.line, f.location.document, f.rule.id, f.message
+
+
 def build_report(result: CheckResult) -> Report:
-    findings = [
-        FindingOut(
-            rule=RuleRef(id=f.rule, name=f.name),
-            action=f.action,
-            message=f.message,
-            object=ObjectRef(**object_ref(checked.document.obj)),
-            location=Location(
-                file=checked.document.file, line=checked.document.line_of(f.path), document=checked.document.index
-            ),
-            patch=[dict(op) for op in f.patch],
-        )
-        for checked in result.objects
-        for f in checked.findings
-    ]
     return Report(
-        findings=findings,
-        errors=[ErrorOut(file=e.file, line=e.line, message=e.message) for e in result.errors],
+        findings=sorted((_finding_out(c, f) for c in result.objects for f in c.findings), key=_by_place),
+        errors=[
+            ErrorOut(file=e.file, line=e.line, message=e.message)
+            for e in sorted(result.errors, key=lambda e: (e.file, e.line or 0))
+        ],
         summary=Summary(
             files=result.files,
             documents=len(result.objects),
@@ -116,19 +137,25 @@ def render_text(report: Report, color: bool) -> str:
     def paint(text: str, key: str) -> str:
         return f"{_COLORS[key]}{text}{_RESET}" if color else text
 
-    by_file: dict[str, list[str]] = {}
-    for e in report.errors:
-        where = f"{e.line}" if e.line else "-"
-        by_file.setdefault(e.file, []).append(f"  {where:>5}  {paint('error', 'error'):<5}  {e.message}")
-    for f in sorted(report.findings, key=lambda f: f.location.line):
-        by_file.setdefault(f.location.file, []).append(
+    entries = [
+        (e.file, e.line or 0, f"  {e.line or '-':>5}  {paint('error', 'error'):<5}  {e.message}") for e in report.errors
+    ]
+    entries += [
+        (
+            f.location.file,
+            f.location.line,
             f"  {f.location.line:>5}  {paint(f.action, f.action)}{' ' * (5 - len(f.action))}  "
-            f"{f.rule.id} {f.rule.name}  {_describe(f.object)}: {f.message}"
+            f"{f.rule.id} {f.rule.name}  {_describe(f.object)}: {f.message}",
         )
+        for f in report.findings
+    ]
+    by_file: dict[str, list[str]] = {}
+    for file, _, text in sorted(entries, key=lambda entry: entry[:2]):
+        by_file.setdefault(file, []).append(text)
     lines = []
-    for file, entries in by_file.items():
+    for file, texts in by_file.items():
         lines.append(f"{_BOLD}{file}{_RESET}" if color else file)
-        lines += entries
+        lines += texts
         lines.append("")
     s = report.summary
     lines.append(
@@ -145,6 +172,11 @@ def artifact_uri(name: str) -> str:
     return path.as_uri() if path.is_absolute() else quote(path.as_posix())
 
 
+def rule_help_uri(rule_id: str) -> str:
+    """The rule's section in docs/rules.md, of this version's tag (its anchor is the id in lower case)."""
+    return f"{INFORMATION_URI}/blob/v{__version__}/docs/rules.md#{rule_id.lower()}"
+
+
 def render_sarif(report: Report) -> str:
     rule_ids = list(RULES)
     rules = [
@@ -154,8 +186,14 @@ def render_sarif(report: Report) -> str:
             "shortDescription": {"text": meta.summary},
             "fullDescription": {"text": meta.help},
             "help": {"text": meta.help},
+            "helpUri": rule_help_uri(meta.id),
             "defaultConfiguration": {"level": SARIF_LEVEL[meta.default_action]},
-            "properties": {"tags": ["security", "kubernetes", "dra", "gpu"]},
+            # GitHub code scanning shows a security rule's severity from this score: over 9.0 critical, 7.0 to
+            # 8.9 high, 4.0 to 6.9 medium, under 4.0 low.
+            "properties": {
+                "tags": ["security", "kubernetes", "dra", "gpu"],
+                "security-severity": SECURITY_SEVERITY[meta.id],
+            },
         }
         for meta in RULES.values()
     ]
@@ -234,7 +272,6 @@ def _xml_safe(element: ElementTree.Element) -> None:
 def render_junit(result: CheckResult, report: Report) -> str:
     """One testcase per checked object (failed by its deny findings), one errored testcase per input error."""
     suite = ElementTree.Element("testsuite", name="scrubgate check")
-    findings = iter(report.findings)
     failures = errors = 0
     for checked in result.objects:
         doc, ref = checked.document, object_ref(checked.document.obj)
@@ -245,7 +282,7 @@ def render_junit(result: CheckResult, report: Report) -> str:
             name=f"{ref['kind'] or '?'} {ref['namespace'] + '/' if ref['namespace'] else ''}{ref['name'] or '<unnamed>'}"
             f" (document {doc.index})",
         )
-        mine = [next(findings) for _ in checked.findings]
+        mine = sorted((_finding_out(checked, f) for f in checked.findings), key=_by_place)
         denied = [f for f in mine if f.action == "deny"]
         if denied:
             failures += 1

@@ -25,13 +25,14 @@ import yaml
 
 from . import fastyaml
 
+# PyYAML's safe loader, in C where libyaml is there (without it: correct, only slower).
 try:
-    from yaml import CSafeLoader as _SafeLoader
-except ImportError:  # libyaml missing: correct, only slower
-    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+    from yaml import CSafeLoader as SafeLoader
+except ImportError:
+    from yaml import SafeLoader  # type: ignore[assignment]
 
 
-class _Loader(_SafeLoader):
+class _Loader(SafeLoader):
     """The safe loader minus work that cannot change its result. A node without an explicit tag is tagged
     with `slice(kind, value, implicit)`, the arguments of PyYAML's `resolve`, and its tag is resolved when the
     node is read (`_tag`): the composer (C in libyaml's loader) then calls no Python code per node, which was
@@ -85,7 +86,7 @@ SUFFIXES = (".yaml", ".yml", ".json")
 STDIN = "-"
 STDIN_NAME = "<stdin>"
 # A line that starts a new YAML document; at column 0 it cannot be part of a block scalar.
-_DOCUMENT_START = re.compile(r"^---(?:[ \t]|$)", re.MULTILINE)
+DOCUMENT_START = re.compile(r"^---(?:[ \t]|$)", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +292,7 @@ def _parse_by_document(file: str, text: str) -> tuple[list[Parsed], list[InputEr
     after it keep their index."""
     documents: list[Parsed] = []
     errors: list[InputError] = []
-    starts = [0] + [m.start() for m in _DOCUMENT_START.finditer(text) if m.start() > 0]
+    starts = [0] + [m.start() for m in DOCUMENT_START.finditer(text) if m.start() > 0]
     for begin, end in zip(starts, [*starts[1:], len(text)], strict=True):
         offset = text.count("\n", 0, begin)
         chunk = text[begin:end]
@@ -385,12 +386,14 @@ DEFAULT_EXCLUDES = (
 
 @dataclass
 class Expanded:
-    """What the PATHs name: the files to read, those that do not exist, and the Helm chart templates left out
-    (Go templates, not manifests: `helm template CHART | scrubgate check -` checks what they render)."""
+    """What the PATHs name: the files to read, those that do not exist, the Helm chart templates left out (Go
+    templates, not manifests: `helm template CHART | scrubgate check -` checks what they render), and the
+    directories met again through a symbolic link, each with the path it was read under."""
 
     files: list[str] = field(default_factory=list)
     errors: list[InputError] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
+    repeats: list[tuple[str, str]] = field(default_factory=list)
 
 
 def expand_paths(paths: list[str], exclude: Iterable[str] = ()) -> Expanded:
@@ -405,9 +408,10 @@ def expand_paths(paths: list[str], exclude: Iterable[str] = ()) -> Expanded:
             continue
         path = Path(raw)
         if path.is_dir():
-            files, templates = manifests_under(str(path), skip)
-            out.files += files
-            out.templates += templates
+            found = manifests_under(str(path), skip)
+            out.files += found.files
+            out.templates += found.templates
+            out.repeats += found.repeats
         elif not path.exists():
             out.errors.append(InputError(raw, None, "no such file or directory"))
         elif path.parent.name == "templates" and (path.parent.parent / "Chart.yaml").is_file():
@@ -417,32 +421,67 @@ def expand_paths(paths: list[str], exclude: Iterable[str] = ()) -> Expanded:
     return out
 
 
-def manifests_under(directory: str, skip: tuple[str, ...] = DEFAULT_EXCLUDES) -> tuple[list[str], list[str]]:
+def _identity(directory: str) -> tuple[int, int] | None:
+    try:
+        status = os.stat(directory)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def manifests_under(directory: str, skip: tuple[str, ...] = DEFAULT_EXCLUDES) -> Expanded:
     """What `sorted(str(p) for p in Path(directory).rglob("*") if p.suffix in SUFFIXES and p.is_file())` gives
-    (symbolic links to directories not followed, unreadable directories skipped), without a Path per entry:
-    a fifth of the time of a run over many small files; but not under a directory `skip` matches, and the
-    `templates` of a Helm chart apart (second list)."""
-    found: list[str] = []
-    templates: list[str] = []
+    (unreadable directories skipped), without a Path per entry: a fifth of the time of a run over many small
+    files; but not under a directory `skip` matches, and the `templates` of a Helm chart apart. Symbolic links
+    to directories are followed once the tree itself is walked, each directory read once whatever leads to it:
+    a link back up the tree cannot loop, and a directory is not read (nor its objects counted) twice."""
+    out = Expanded()
+    walked: list[str] = []  # the tree's own directories
+    links: list[str] = []  # symbolic links to directories, followed after the tree
+    seen: set[tuple[int, int]] | None = None  # the directories read, once links are followed
+    first: dict[tuple[int, int], str] = {}  # ... and the path each was read under
     pending = [directory]
-    while pending:
-        top = pending.pop()
+    while pending or links:
+        if pending:
+            top = pending.pop()
+        else:
+            if seen is None:  # the tree has no loops: identities are needed only once a link is followed
+                first = {ident: d for d in walked if (ident := _identity(d)) is not None}
+                seen = set(first)
+            links.sort()
+            top = links.pop(0)
+        if seen is None:
+            walked.append(top)
+        else:
+            ident = _identity(top)
+            if ident is None or ident in seen:
+                if ident is not None:
+                    out.repeats.append((top, first[ident]))
+                continue
+            seen.add(ident)
+            first[ident] = top
         prefix = "" if top == "." else top.rstrip("/") + "/"
         try:
             with os.scandir(top) as listing:
                 entries = list(listing)
-        except PermissionError:
+        except OSError:
             continue
         chart = any(e.name == "Chart.yaml" and e.is_file() for e in entries)
         for entry in entries:
             name = entry.name
-            if entry.is_dir() and not entry.is_symlink():
+            if entry.is_dir():
                 where = os.path.normpath(prefix + name)
-                if not any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(where, p) for p in skip):
-                    (templates.append if chart and name == "templates" else pending.append)(prefix + name)
+                if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(where, p) for p in skip):
+                    continue
+                if chart and name == "templates":
+                    out.templates.append(prefix + name)
+                else:
+                    (links if entry.is_symlink() else pending).append(prefix + name)
             elif (dot := name.rfind(".")) > 0 and name[dot:] in SUFFIXES and entry.is_file():
-                found.append(prefix + name)
-    return sorted(found), sorted(templates)
+                out.files.append(prefix + name)
+    out.files.sort()
+    out.templates.sort()
+    return out
 
 
 def read_text(file: str) -> str | InputError:

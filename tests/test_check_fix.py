@@ -151,3 +151,95 @@ def test_fix_of_a_file_with_duplicate_keys_does_not_crash(run_cli, tmp_path, mon
     assert code == 1
     assert "cannot apply the fixes" in err
     assert "SG003" in err
+
+
+# --- the layout of what the fixes do not touch ----------------------------------------------------------------
+
+FLOW = """apiVersion: v1
+kind: Pod
+metadata:
+  name: p
+  namespace: team-a
+  labels: { app: trainer, tier: gpu }
+spec:
+  resourceClaims: [{name: gpu, resourceClaimTemplateName: t}]
+  containers:
+    - name: c
+      image: nvcr.io/nvidia/pytorch:25.01-py3
+      command: [ python, train.py ]
+      args: [
+        "--epochs", '3',
+      ]
+      resources: {claims: [{name: gpu}]}
+      env: [{name: A, value: "1"}, {name: B, value: '2'}]
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: c, namespace: team-a}
+spec:
+  devices:
+    requests: [{name: g, exactly: {deviceClassName: gpu.nvidia.com}}]
+"""
+
+
+def test_fix_in_place_keeps_flow_style_spacing_and_indentation_of_untouched_nodes(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("flow.yaml").write_text(FLOW)
+    code, _, err = run_cli("check", "--fix", "--in-place", "flow.yaml")
+    assert code == 0 and "fixed 2 finding(s)" in err
+    # Every line as it was (`[{name: gpu}]` stays so, not `[name: gpu]`; the indented block sequence stays
+    # indented), plus the two fixes: a line for SG003, the finalizer in the flow mapping for SG004.
+    assert Path("flow.yaml").read_text() == FLOW.replace(
+        "      env: [{name: A, value: \"1\"}, {name: B, value: '2'}]\n",
+        "      env: [{name: A, value: \"1\"}, {name: B, value: '2'}]\n  terminationGracePeriodSeconds: 60\n",
+    ).replace(
+        "metadata: {name: c, namespace: team-a}\n",
+        "metadata: {name: c, namespace: team-a, finalizers: [scrubgate.dev/sanitize]}\n",
+    )
+
+
+def test_fix_keeps_four_space_indentation(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = (
+        "apiVersion: v1\nkind: Pod\nmetadata:\n    name: p\n    namespace: team-a\nspec:\n    resourceClaims:\n"
+        "        -   name: gpu\n            resourceClaimTemplateName: t\n    containers:\n        -   name: c\n"
+        "            image: i\n"
+    )
+    Path("pod.yaml").write_text(text)
+    code, _, _ = run_cli("check", "--fix", "--in-place", "pod.yaml")
+    assert code == 0
+    assert Path("pod.yaml").read_text() == text + "    terminationGracePeriodSeconds: 60\n"
+
+
+def test_fix_of_a_json_file_writes_json(run_cli, tmp_path, monkeypatch):
+    """kubectl reads a file that opens with `{` as JSON only: the fix must not turn it into YAML flow style."""
+    monkeypatch.chdir(tmp_path)
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "team-a", "labels": {"app": "x"}},
+        "spec": {"devices": {"requests": [{"name": "g", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+    }
+    Path("claim.json").write_text(json.dumps(claim, indent=4) + "\n")
+    code, _, _ = run_cli("check", "--fix", "--in-place", "claim.json")
+    assert code == 0
+    fixed = json.loads(Path("claim.json").read_text())
+    assert fixed == {**claim, "metadata": {**claim["metadata"], "finalizers": ["scrubgate.dev/sanitize"]}}
+    assert Path("claim.json").read_text() == json.dumps(fixed, indent=4) + "\n"
+
+
+def test_a_layout_the_merge_cannot_keep_still_fixes_the_data(run_cli, tmp_path, monkeypatch):
+    """Where the file's own lines and the fix cannot be told apart, ruamel.yaml's layout of the touched part
+    stands; the data is the fixed data whatever the layout."""
+    monkeypatch.chdir(tmp_path)
+    text = "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: team-a}\nspec: {resourceClaims: [\n  {name: g, resourceClaimTemplateName: t}]}\n"
+    Path("pod.yaml").write_text(text)
+    code, _, _ = run_cli("check", "--fix", "--in-place", "pod.yaml")
+    assert code == 0
+    fixed = yaml.safe_load(Path("pod.yaml").read_text())
+    original = yaml.safe_load(text)
+    original["spec"]["terminationGracePeriodSeconds"] = 60
+    assert fixed == original
+    assert (
+        Path("pod.yaml").read_text().startswith("apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: team-a}\n")
+    )

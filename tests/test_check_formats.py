@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 import sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -154,8 +155,11 @@ def test_text_is_grouped_by_file_without_colour_when_not_a_terminal(run_cli):
         ["65", "deny", "SG005"],
     ]
     assert "ResourceClaimTemplate team-a/keep-gpu: " in block[0]
-    broken = lines[lines.index(str(DATA / "broken.yaml")) + 1]
-    assert broken.split()[1:4] == ["error", "invalid", "YAML:"]
+    # Errors and findings of a file, in the order of its lines.
+    broken = lines[lines.index(str(DATA / "broken.yaml")) + 1 :][:3]
+    assert [line.split()[1] for line in broken] == ["deny", "error", "deny"]
+    assert broken[1].split()[2:4] == ["invalid", "YAML:"]
+    assert [int(line.split()[0]) for line in broken] == sorted(int(line.split()[0]) for line in broken)
     assert lines[-1] == "4 file(s), 10 object(s) checked: 9 deny, 1 warn, 0 audit, 1 input error(s)"
 
 
@@ -168,3 +172,119 @@ def test_text_is_coloured_on_a_terminal_unless_no_color(run_cli, monkeypatch):
     assert "\x1b[31mdeny\x1b[0m" in out and "\x1b[33mwarn\x1b[0m" in out
     monkeypatch.setenv("NO_COLOR", "1")
     assert "\x1b[" not in run_cli("check", str(DATA / "lines.yaml"))[1]
+
+
+# --- what CI tools read: severities, help links, a stable order ------------------------------------------------
+
+RULES_DOC = Path(__file__).resolve().parents[1] / "docs" / "rules.md"
+
+
+def test_sarif_rules_carry_a_severity_and_a_link_to_their_section_of_the_rules_doc(run_cli):
+    from scrubgate import __version__
+
+    code, out, _ = run_cli("check", "--format", "sarif", str(DATA / "lines.yaml"))
+    assert code == 1
+    rules = json.loads(out)["runs"][0]["tool"]["driver"]["rules"]
+    doc = RULES_DOC.read_text()
+    # The doc's table gives each rule's score as GitHub will show it.
+    table = dict(re.findall(r"^\| \[(SG\d{3})\]\(#sg\d{3}\) \|.*\| (\d+\.\d) \(\w+\) \|$", doc, re.MULTILINE))
+    assert len(rules) == len(RULES) == len(table)
+    for rule in rules:
+        anchor = rule["id"].lower()
+        assert rule["helpUri"] == (f"https://github.com/scrubgate/scrubgate/blob/v{__version__}/docs/rules.md#{anchor}")
+        assert f'<a id="{anchor}"></a>\n## {rule["id"]} {rule["name"]}\n' in doc
+        # GitHub code scanning reads a number as a string, 0.1 to 10.0, in the rule's properties.
+        severity = rule["properties"]["security-severity"]
+        assert isinstance(severity, str) and 0.1 <= float(severity) <= 10.0
+        assert table[rule["id"]] == severity
+        assert "security" in rule["properties"]["tags"]
+    severity_of = {r["id"]: float(r["properties"]["security-severity"]) for r in rules}
+    # deny rules that hand a device on dirty rank high (>= 7.0); the warning that the webhook repairs, low.
+    assert all(severity_of[r] >= 7.0 for r in ("SG001", "SG002", "SG005", "SG006", "SG007", "SG009"))
+    assert severity_of["SG004"] < 4.0
+
+
+ORDERED = """apiVersion: v1
+kind: Pod
+metadata: {name: first, namespace: team-a}
+spec:
+  terminationGracePeriodSeconds: 30
+  resourceClaims: [{name: g, resourceClaimName: one}]
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: middle, namespace: team-a}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly: {deviceClassName: gpu.nvidia.com, adminAccess: true}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: last, namespace: team-a}
+spec:
+  resourceClaims: [{name: g, resourceClaimName: one}]
+"""
+
+
+@pytest.fixture
+def two_files(tmp_path, monkeypatch) -> list[str]:
+    """Two files given in reverse order; in each, SG002 across documents is found after the others, and a
+    document's findings come from the rules in their own order."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.yaml", "b.yaml"):
+        Path(name).write_text(ORDERED)
+    return ["b.yaml", "a.yaml"]
+
+
+def _places(pairs) -> None:
+    places = list(pairs)
+    assert len(places) == 2 * 5
+    assert places == sorted(places), places
+
+
+def test_findings_are_ordered_by_file_and_line_in_every_format(run_cli, two_files):
+    _, out, _ = run_cli("check", "--format", "json", *two_files)
+    _places((f["location"]["file"], f["location"]["line"]) for f in json.loads(out)["findings"])
+
+    _, out, _ = run_cli("check", "--format", "sarif", *two_files)
+    _places(
+        (
+            r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"],
+            r["locations"][0]["physicalLocation"]["region"]["startLine"],
+        )
+        for r in json.loads(out)["runs"][0]["results"]
+    )
+
+    _, out, _ = run_cli("check", *two_files)
+    lines = out.splitlines()
+    assert [line for line in lines if line.endswith(".yaml")] == ["a.yaml", "b.yaml"]
+    _places(
+        (file, int(line.split()[0])) for file in ("a.yaml", "b.yaml") for line in lines[lines.index(file) + 1 :][:5]
+    )
+
+    _, out, _ = run_cli("check", "--format", "junit", *two_files)
+    cases = ElementTree.fromstring(out.split("\n", 1)[1]).findall("testcase")
+    assert [(c.get("classname"), c.get("name").split()[1]) for c in cases] == [
+        (file, f"team-a/{name}") for file in ("a.yaml", "b.yaml") for name in ("first", "middle", "last")
+    ]
+    # Within a testcase, the deny findings (failure) and the others (system-out) each by line.
+    for case in cases:
+        for element in (case.find("failure"), case.find("system-out")):
+            if element is not None:
+                lines = [int(re.match(r"(?:warn: )?[ab]\.yaml:(\d+): ", text)[1]) for text in element.text.splitlines()]
+                assert lines == sorted(lines)
+
+
+def test_the_order_does_not_depend_on_how_many_processes_read(run_cli, two_files, monkeypatch):
+    from scrubgate import reading
+
+    for i in range(reading.PARALLEL_FILES):
+        Path(f"c{i:03d}.yaml").write_text(ORDERED.replace("team-a", f"team-{i}"))
+    _, one, _ = run_cli("check", "--format", "json", ".", *two_files)
+    monkeypatch.setattr(reading, "cpus", lambda: 2)
+    _, two, _ = run_cli("check", "--format", "json", *reversed(two_files), ".")
+    findings = [(f["location"]["file"], f["location"]["line"], f["rule"]["id"]) for f in json.loads(two)["findings"]]
+    assert findings == sorted(findings)
+    assert json.loads(one)["findings"] == json.loads(two)["findings"]

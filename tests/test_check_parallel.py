@@ -113,6 +113,7 @@ def test_directories_list_as_pathlib_lists_them(tmp_path, monkeypatch, base):
     monkeypatch.chdir(tmp_path)
     root = "." if base == "." else str(tmp_path) + base
     expected = sorted(str(p) for p in Path(root).rglob("*") if p.suffix in SUFFIXES and p.is_file())
-    assert manifests_under(str(Path(root))) == (expected, [])
+    found = manifests_under(str(Path(root)))
+    assert (found.files, found.templates) == (expected, [])
     assert "sub/f.yaml" in {p.removeprefix(str(tmp_path) + "/") for p in expected}
     assert not any("dir-link" in p or "broken-link" in p for p in expected)
