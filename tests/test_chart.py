@@ -147,12 +147,35 @@ def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.parametrize("namespace", [None, "default", "kube-system", "kube-public", "kube-node-lease"])
+def test_a_shared_namespace_is_refused_unless_allowed(helm: str, namespace: str | None):
+    """`helm install` without -n lands in `default`, which the webhooks then leave out: GPU claims there would go
+    unguarded, and the agents' key would sit where many may read Secrets. Refused with why and what to do, as
+    NVIDIA's DRA driver chart refuses `default` (its templates/validation.yaml); allowed when asked for."""
+    argv = [helm, "template", "sg", str(CHART), *(["-n", namespace] if namespace else [])]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode != 0
+    assert f'not installing into the namespace "{namespace or "default"}"' in refused.stderr, refused.stderr
+    assert "unguarded" in refused.stderr and "-n scrubgate-system --create-namespace" in refused.stderr
+    assert "namespace.allowShared=true" in refused.stderr
+    allowed = subprocess.run(
+        [*argv, "--set", "namespace.allowShared=true"], capture_output=True, text=True, timeout=120
+    )
+    assert allowed.returncode == 0, allowed.stderr
+
+
 def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
-    """`helm template` without -n (the namespace `default`) and with another namespace: every reference the
-    base makes to its namespace (the webhooks' Service, RBAC subjects, the agent's identity, the certificate's
+    """`helm template` without -n (the namespace `default`, allowed) and with another namespace: every reference
+    the base makes to its namespace (the webhooks' Service, RBAC subjects, the agent's identity, the certificate's
     names, the namespace the webhooks leave out) is the release's, and the render passes scrubgate check."""
     for namespace in (None, "gpu-guard"):
-        argv = [helm, "template", "sg", str(CHART), *(["-n", namespace] if namespace else [])]
+        argv = [
+            helm,
+            "template",
+            "sg",
+            str(CHART),
+            *(["-n", namespace] if namespace else ["--set", "namespace.allowShared=true"]),
+        ]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 0, result.stderr
         namespace = namespace or "default"
@@ -392,6 +415,67 @@ def test_the_knobs_platform_teams_expect(helm: str, default: list[Doc]):
     assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"], "a PDB of one replica blocks every drain"
     assert [d for d in default if d["kind"] == "PodDisruptionBudget"], "two replicas keep theirs"
     assert not [d for d in default if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_hook_and_the_test_pod_take_the_pod_values(helm: str, tmp_path: Path):
+    """The uninstall hook's Job and the `helm test` Pod run once beside the webhook: they take what every pod of
+    the chart takes (a mesh's opt-out annotation, labels, pull secrets, priority class) and where the webhook runs
+    (its nodeSelector, tolerations and node affinity: tainted or dedicated nodes), but not the pod
+    anti-affinity that spreads the webhook's replicas, which would keep them off the webhook's nodes."""
+    values = tmp_path / "values.yaml"
+    node_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]
+        }
+    }
+    anti_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "webhook"}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "podAnnotations": {"sidecar.istio.io/inject": "false"},
+                "podLabels": {"team": "gpu"},
+                "imagePullSecrets": [{"name": "regcred"}],
+                "priorityClassName": "system-cluster-critical",
+                "webhook": {
+                    "nodeSelector": {"pool": "system"},
+                    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {"nodeAffinity": node_affinity, "podAntiAffinity": anti_affinity},
+                },
+            }
+        )
+    )
+    docs = render(helm, "-f", str(values))
+    job = one(docs, "Job", "scrubgate-uninstall")["spec"]["template"]
+    (test,) = [d for d in docs if d["kind"] == "Pod"]
+    for pod in (job, test):
+        assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert pod["metadata"]["labels"]["team"] == "gpu"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "scrubgate", "its own labels stay"
+        spec = pod["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert spec["priorityClassName"] == "system-cluster-critical"
+        assert spec["nodeSelector"] == {"pool": "system"}
+        assert spec["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+        assert spec["affinity"] == {"nodeAffinity": node_affinity}
+    kubernetes_validate.validate(test, kubernetes_validate.utils.latest_version(), strict=True)
+    webhook = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    assert webhook["affinity"] == {"nodeAffinity": node_affinity, "podAntiAffinity": anti_affinity}
+    plain = render(helm)
+    for pod in (
+        one(plain, "Job", "scrubgate-uninstall")["spec"]["template"],
+        *[d for d in plain if d["kind"] == "Pod"],
+    ):
+        assert not {"nodeSelector", "tolerations", "affinity", "imagePullSecrets", "priorityClassName"} & set(
+            pod["spec"]
+        )
+        assert "annotations" not in pod["metadata"] or "helm.sh/hook" in pod["metadata"]["annotations"]
 
 
 def test_helm_test_asks_the_webhook_through_its_service(helm: str):

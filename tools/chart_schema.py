@@ -55,7 +55,7 @@ def build() -> dict[str, Any]:
                 "image": _object(
                     {"repository": STRING, "tag": STRING, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}
                 ),
-                "namespace": _object({"create": BOOL}),
+                "namespace": _object({"create": BOOL, "allowShared": BOOL}),
                 "podAnnotations": STRING_MAP,
                 "podLabels": STRING_MAP,
                 "imagePullSecrets": {"type": "array", "items": _object({"name": STRING}, required=["name"])},

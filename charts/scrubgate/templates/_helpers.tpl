@@ -50,3 +50,27 @@ The objects of a YAML file under files/ as {"docs": [...]}: one map per document
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
+
+{{/*
+Sets, on a pod template (a workload's spec.template, or a Pod), what every pod of the chart takes from the
+values: podAnnotations and podLabels (merged under its own), imagePullSecrets and priorityClassName; and, with
+"scheduling", the webhook's nodeSelector, tolerations and the node part of its affinity, for the pods that run
+once beside it (the uninstall hook, helm test: tainted nodes or a node pool of its own hold them too; its pod
+(anti-)affinity and spread constraints are about its replicas). Returns nothing:
+  $_ := include "scrubgate.podValues" (dict "root" $ "pod" $template "scheduling" true)
+*/}}
+{{- define "scrubgate.podValues" -}}
+{{- $values := .root.Values -}}
+{{- $pod := .pod -}}
+{{- $_ := set $pod "metadata" ($pod.metadata | default dict) -}}
+{{- $_ := set $pod.metadata "annotations" (merge ($pod.metadata.annotations | default dict) $values.podAnnotations) -}}
+{{- if not $pod.metadata.annotations -}}{{- $_ := unset $pod.metadata "annotations" -}}{{- end -}}
+{{- $_ := set $pod.metadata "labels" (merge ($pod.metadata.labels | default dict) $values.podLabels) -}}
+{{- with $values.imagePullSecrets -}}{{- $_ := set $pod.spec "imagePullSecrets" . -}}{{- end -}}
+{{- with $values.priorityClassName -}}{{- $_ := set $pod.spec "priorityClassName" . -}}{{- end -}}
+{{- if .scheduling -}}
+{{- with $values.webhook.nodeSelector -}}{{- $_ := set $pod.spec "nodeSelector" . -}}{{- end -}}
+{{- with $values.webhook.tolerations -}}{{- $_ := set $pod.spec "tolerations" . -}}{{- end -}}
+{{- with $values.webhook.affinity.nodeAffinity -}}{{- $_ := set $pod.spec "affinity" (dict "nodeAffinity" .) -}}{{- end -}}
+{{- end -}}
+{{- end -}}
