@@ -128,6 +128,34 @@ def test_values_outside_the_schema_are_refused(helm: str, setting: str, complain
     assert result.returncode != 0 and complaint in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        # `scrubgate reports` would list the whole cluster again and again, about 12 times a second.
+        ({"reports": {"interval": "0"}}, "/reports/interval"),
+        ({"reports": {"interval": "0s"}}, "/reports/interval"),
+        ({"reports": {"interval": "0.0m"}}, "/reports/interval"),
+        ({"reports": {"interval": 0}}, "/reports/interval"),
+        ({"reports": {"interval": "-5m"}}, "/reports/interval"),
+        # The simulated backend's agent exits at start without the directory of its GPUs' state.
+        ({"agent": {"gpuBackend": "simulated"}}, "/agent/simulatedRoot"),
+        ({"agent": {"gpuBackend": "simulated", "simulatedRoot": "sim"}}, "/agent/simulatedRoot"),
+    ],
+)
+def test_values_that_render_a_failing_component_are_refused(helm: str, tmp_path: Path, values: Doc, complaint: str):
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    result = run_helm(helm, "-f", str(tmp_path / "values.yaml"))
+    assert result.returncode != 0 and complaint in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("interval", "argument"), [("30s", "30s"), ("0.5s", "0.5s"), (90, "90"), ("1h", "1h")])
+def test_a_reports_interval_above_zero_is_passed_on(helm: str, tmp_path: Path, interval: str | int, argument: str):
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"reports": {"interval": interval}}))
+    docs = render(helm, "-f", str(tmp_path / "values.yaml"))
+    args = one(docs, "Deployment", "scrubgate-reports")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--interval") + 1] == argument
+
+
 def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
     """An ECDSA key in PEM is a public key, but not one that verifies the agent's (Ed25519) attestations."""
     pem = (
@@ -611,7 +639,8 @@ def test_agent_values(helm: str):
     docs = render(
         helm,
         "--set",
-        "agent.runtimeClassName=,agent.gpuBackend=simulated,agent.signingKeySecret=other-key,"
+        "agent.runtimeClassName=,agent.gpuBackend=simulated,agent.simulatedRoot=/var/lib/sim-gpus,"
+        "agent.signingKeySecret=other-key,"
         "agent.nodeSelector.gpu=yes,agent.extraTolerations[0].key=dedicated,agent.extraTolerations[0].operator=Exists",
     )
     base_pod = one(render(helm), "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
@@ -621,6 +650,11 @@ def test_agent_values(helm: str):
     assert pod["tolerations"] == [*base_pod["tolerations"], {"key": "dedicated", "operator": "Exists"}]
     container = pod["containers"][0]
     assert container["args"][container["args"].index("--gpu-backend") + 1] == "simulated"
+    # The simulated GPUs' state is the node's: the agent reads it where it is.
+    assert container["args"][container["args"].index("--simulated-root") + 1] == "/var/lib/sim-gpus"
+    assert {"name": "simulated-gpus", "mountPath": "/var/lib/sim-gpus"} in container["volumeMounts"]
+    assert {"name": "simulated-gpus", "hostPath": {"path": "/var/lib/sim-gpus", "type": "Directory"}} in pod["volumes"]
+    assert "--simulated-root" not in base_pod["containers"][0]["args"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"other-key"}
     key_id = next(e for e in container["env"] if e["name"] == "KEY_ID")
     assert key_id["valueFrom"]["secretKeyRef"]["name"] == "other-key"
