@@ -226,12 +226,9 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
         assert subjects and all(s["namespace"] == namespace for s in subjects if s["kind"] == "ServiceAccount")
         policy = yaml.safe_load(one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"])
         assert policy["agent"]["identities"] == [f"system:serviceaccount:{namespace}:scrubgate-agent"]
-        tls = one(docs, "Secret", "scrubgate-webhook-tls")
-        cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName
-        )
-        assert f"scrubgate-webhook.{namespace}.svc" in sans
+        # The certificate is made in the cluster for the Service in this namespace (test_chart_lifecycle.py).
+        args = one(docs, "Job", "sg-certs")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--namespace") + 1] == namespace
         rendered = tmp_path / f"{namespace}.yaml"
         rendered.write_text(result.stdout)
         checked = run_check([str(rendered)], load_policy())
@@ -336,14 +333,16 @@ def test_image_and_version(default: list[Doc]):
     containers = [
         c for d in default for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
     ]
-    assert len(containers) == 4 and {c["image"] for c in containers} == {IMAGE}  # webhook, agent, reports, hook
+    # webhook, agent, reports, the uninstall hook and the certificates' hook
+    assert len(containers) == 5 and {c["image"] for c in containers} == {IMAGE}
 
 
 # --- values ---------------------------------------------------------------------------------------
 
 
-def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
-    secret = one(default, "Secret", "scrubgate-webhook-tls")
+def test_self_generated_certificate_matches_every_ca_bundle(helm: str):
+    self_generated = render(helm, "--set", "certs.source=self-generated")
+    secret = one(self_generated, "Secret", "scrubgate-webhook-tls")
     ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
     serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
     serving.verify_directly_issued_by(ca)
@@ -351,22 +350,27 @@ def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
         x509.DNSName
     )
     assert sorted(sans) == sorted(gen.service_sans())
-    bundles = {w["clientConfig"]["caBundle"] for w in webhooks(default)}
+    bundles = {w["clientConfig"]["caBundle"] for w in webhooks(self_generated)}
     assert bundles == {secret["data"]["ca.crt"]}
 
 
 def test_audit_checkpoints_are_signed_by_default(helm: str, default: list[Doc]):
     """The default install signs its audit checkpoints with a key the chart makes (an Ed25519 PEM the webhook
-    loads); a Secret of the operator's replaces it."""
-    secret = one(default, "Secret", "scrubgate-audit-signing-key")
+    loads): in the cluster, by the certificates' hook (test_chart_lifecycle.py), or at render time with
+    self-generated certificates; a Secret of the operator's replaces it."""
+    args = one(default, "Job", "scrubgate-certs")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--audit-key-secret") + 1] == "scrubgate-audit-signing-key"
+    secret = one(render(helm, "--set", "certs.source=self-generated"), "Secret", "scrubgate-audit-signing-key")
     load_private_key(base64.b64decode(secret["data"]["ed25519.pem"]))
     pod = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--audit-signing-key") + 1] == "/etc/scrubgate/audit-key/ed25519.pem"
     volume = next(v for v in pod["volumes"] if v["name"] == "audit-key")
     assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
-    own = render(helm, "--set", "webhook.audit.signingKeySecret=mine")
-    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+    for source in ("in-cluster", "self-generated"):
+        own = render(helm, "--set", f"webhook.audit.signingKeySecret=mine,certs.source={source}")
+        assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+        assert "--audit-key-secret" not in str([d for d in own if d["kind"] == "Job"])
 
 
 def test_default_values_start_a_webhook_without_client_authentication(helm: str, default: list[Doc]):
@@ -513,7 +517,8 @@ def test_helm_test_asks_the_webhook_through_its_service(helm: str):
     assert "https://{host}/readyz" in pod["spec"]["containers"][0]["args"][0]
     assert 'host = "scrubgate-webhook.gpu-guard.svc"' in pod["spec"]["containers"][0]["args"][0]
     kubernetes_validate.validate(pod, kubernetes_validate.utils.latest_version(), strict=True)
-    assert not [d for d in render(helm, "--set", "webhook.deploy=false") if d["kind"] == "Pod"]
+    elsewhere = render(helm, "--set", "webhook.deploy=false,certs.source=provided,certs.provided.caBundle=PEM")
+    assert not [d for d in elsewhere if d["kind"] == "Pod"]
 
 
 def test_cert_manager_source(helm: str):
@@ -526,6 +531,28 @@ def test_cert_manager_source(helm: str):
                 doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/scrubgate-webhook-tls"
             )
             assert all("caBundle" not in w["clientConfig"] for w in doc["webhooks"])
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "metrics.enabled=true,reports.installCRDs=true", "--include-crds"]])
+def test_the_default_render_is_stable(helm: str, values: list[str]):
+    """Argo CD renders with `helm template` at every refresh: with default values two renders are the same bytes
+    (a CA or key generated at render time would show as drift forever, and be rotated at each sync). The
+    certificates and the audit key are made in the cluster by the certificates' hook, as Kyverno and Gatekeeper
+    make theirs: the render holds no Secret and no caBundle."""
+    first, second = run_helm(helm, *values), run_helm(helm, *values)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert all("caBundle" not in w["clientConfig"] for w in webhooks(docs))
+    job = one(docs, "Job", "scrubgate-certs")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade,post-install,post-upgrade"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["certs", "ensure"]
+
+
+def test_in_cluster_certificates_need_the_webhook_in_the_cluster(helm: str):
+    result = run_helm(helm, "--set", "webhook.deploy=false")
+    assert result.returncode != 0 and "certs.source=provided" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def build() -> dict[str, Any]:
                 ),
                 "certs": _object(
                     {
-                        "source": {"enum": ["self-generated", "cert-manager", "provided"]},
+                        "source": {"enum": ["in-cluster", "self-generated", "cert-manager", "provided"]},
                         "validityDays": {"type": "integer", "minimum": 1},
                         "provided": _object({"caBundle": STRING}),
                         "certManager": _object(
