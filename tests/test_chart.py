@@ -550,6 +550,30 @@ def test_the_default_render_is_stable(helm: str, values: list[str]):
     assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["certs", "ensure"]
 
 
+def test_the_rendered_manifests_recipe(helm: str):
+    """docs/install.md, "Rendered manifests": pipelines that apply `helm template`'s output run no hooks, so they
+    render with --no-hooks (else the pre-delete Job, applied as a plain Job, runs at once and removes the guard)
+    and take the certificate and the audit key from elsewhere: no hook in the render, nothing generated, the same
+    bytes every time."""
+    recipe = (REPO / "docs" / "install.md").read_text()
+    args = [
+        "--no-hooks",
+        "--set",
+        "certs.source=cert-manager",
+        "--set",
+        "webhook.audit.signingKeySecret=scrubgate-audit-signing-key",
+    ]
+    assert "--no-hooks \\\n  --set certs.source=cert-manager \\\n  --set webhook.audit.signingKeySecret=" in recipe
+    first, second = run_helm(helm, *args), run_helm(helm, *args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert not [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+    assert not [d for d in docs if d["kind"] in ("Job", "Pod", "Secret")]
+    with_hooks = render(helm, "--set", "certs.source=cert-manager")
+    assert one(with_hooks, "Job", "scrubgate-uninstall")["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+
+
 def test_in_cluster_certificates_need_the_webhook_in_the_cluster(helm: str):
     result = run_helm(helm, "--set", "webhook.deploy=false")
     assert result.returncode != 0 and "certs.source=provided" in result.stderr, result.stderr
