@@ -150,7 +150,7 @@ def test_a_teardown_that_starts_while_the_agents_stop_keeps_the_guard(capsys) ->
 def assert_says_what_recovers(err: str) -> None:
     """A failed pre-delete hook leaves the release `uninstalling`, where `helm upgrade` fails ("has no deployed
     releases"): the way back is `helm rollback` to that revision, and `--no-hooks` only once the guard is gone
-    (both run on helm and kube-apiserver in test_chart.py::test_a_failed_uninstall_hook_is_recovered_as_its_text_says)."""
+    (both run with helm on kube-apiserver: test_chart_lifecycle.py::test_a_failed_uninstall_hook_is_recovered_as_its_text_says)."""
     assert "helm rollback RELEASE REVISION" in err and "`helm history RELEASE` shows `uninstalling`" in err
     assert "`helm upgrade` fails on it" in err and "brings" not in err
     assert "--no-hooks` skips this wait: only once `scrubgate uninstall` has succeeded" in err
