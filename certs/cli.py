@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``generate`` and ``inject`` subcommands (``args.certs_command``) to the ``certs`` parser."""
+    """Add the ``generate``, ``ensure`` and ``inject`` subcommands (``args.certs_command``) to the ``certs`` parser."""
     sub = parser.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser(
@@ -63,6 +63,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     gen.add_argument("--in-place", action="store_true", help="patch the --manifests files themselves")
 
+    ens = sub.add_parser(
+        "ensure",
+        help="make the webhook's TLS and audit key Secrets in the cluster when absent, and set every caBundle",
+        description=(
+            "In the cluster (what the chart's hook runs, certs.source in-cluster): make the Secret "
+            "scrubgate-webhook-tls (a new CA and the serving certificate of the webhook's Service) and, with "
+            "--audit-key-secret, the webhook's audit checkpoint key, each only when absent; then set the caBundle "
+            "of every webhook in the --webhook-configuration objects to that Secret's ca.crt (one not there yet is "
+            "left for the next run). Running it again changes nothing."
+        ),
+    )
+    ens.add_argument("--namespace", default=names.SYSTEM_NAMESPACE, help="of the Service and Secrets (%(default)s)")
+    ens.add_argument("--service", default=names.WEBHOOK_SERVICE, help="webhook Service name (%(default)s)")
+    ens.add_argument(
+        "--days", type=int, default=layout.DEFAULT_CA_DAYS, help="validity of a new CA and certificate (%(default)s)"
+    )
+    ens.add_argument(
+        "--webhook-configuration",
+        action="append",
+        default=[],
+        metavar="RESOURCE/NAME",
+        help="validatingwebhookconfigurations/NAME or mutatingwebhookconfigurations/NAME (repeatable)",
+    )
+    ens.add_argument("--audit-key-secret", metavar="NAME", help="also make this audit key Secret when absent")
+    ens.add_argument("--kubeconfig", help="kubeconfig file (default: in a pod its service account)")
+    ens.add_argument("--context", help="kubeconfig context")
+
     inj = sub.add_parser(
         "inject",
         help="put a CA bundle into the webhook configurations of YAML files or a stream",
@@ -88,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if command == "generate":
             return _generate(args)
+        if command == "ensure":
+            return _ensure(args)
         return _inject(args)
     except (ValueError, OSError, YAMLError) as e:
         print(f"scrubgate certs {command}: {e}", file=sys.stderr)
@@ -135,6 +164,28 @@ def _generate(args: argparse.Namespace) -> int:
     if args.manifests is not None:
         injected = inject_files(args.manifests, ca.cert_pem, None if args.in_place else out)
         _report_injected(injected)
+    return 0
+
+
+def _ensure(args: argparse.Namespace) -> int:
+    from scrubgate.cluster import ApiError, KubeApi
+
+    from .incluster import ensure
+
+    try:
+        lines = ensure(
+            KubeApi.connect(args.kubeconfig, args.context),
+            args.namespace,
+            service=args.service,
+            days=args.days,
+            configurations=args.webhook_configuration,
+            audit_key_secret=args.audit_key_secret,
+        )
+    except ApiError as e:
+        print(f"scrubgate certs ensure: {e}; what was done before it stays", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(line)
     return 0
 
 

@@ -286,28 +286,40 @@ class AuditKeyFiles:
     new: bool
 
 
-def write_audit_key(directory: Path, *, namespace: str = names.SYSTEM_NAMESPACE) -> AuditKeyFiles:
-    """The webhook's Ed25519 key for signed audit checkpoints in `directory` (PKCS#8 PEM), made there if absent,
-    with its public key and Secret manifest. Reused, like the CA: checkpoints signed so far keep verifying."""
-    path = directory / AUDIT_KEY_FILE
-    new = not path.exists()
-    if new:
-        pem = Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        write_atomic(path, pem, 0o600)
-    else:
-        pem = path.read_bytes()
-    public = write_atomic(directory / AUDIT_PUBLIC_KEY_FILE, public_key_pem(load_private_key(pem)).encode(), 0o644)
-    secret = {
+def new_audit_key_pem() -> bytes:
+    """A new Ed25519 private key for signed audit checkpoints (PKCS#8 PEM, as the webhook loads it)."""
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def audit_key_secret(
+    pem: bytes, *, name: str = AUDIT_KEY_SECRET_NAME, namespace: str = names.SYSTEM_NAMESPACE
+) -> dict[str, Any]:
+    """The Secret the webhook Deployment mounts its audit checkpoint key from (key ``ed25519.pem``)."""
+    return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": AUDIT_KEY_SECRET_NAME,
+            "name": name,
             "namespace": namespace,
             "labels": {"app.kubernetes.io/name": "scrubgate", "app.kubernetes.io/component": "webhook"},
         },
         "type": "Opaque",
         "data": {"ed25519.pem": _b64(pem)},
     }
+
+
+def write_audit_key(directory: Path, *, namespace: str = names.SYSTEM_NAMESPACE) -> AuditKeyFiles:
+    """The webhook's Ed25519 key for signed audit checkpoints in `directory` (PKCS#8 PEM), made there if absent,
+    with its public key and Secret manifest. Reused, like the CA: checkpoints signed so far keep verifying."""
+    path = directory / AUDIT_KEY_FILE
+    new = not path.exists()
+    if new:
+        pem = new_audit_key_pem()
+        write_atomic(path, pem, 0o600)
+    else:
+        pem = path.read_bytes()
+    public = write_atomic(directory / AUDIT_PUBLIC_KEY_FILE, public_key_pem(load_private_key(pem)).encode(), 0o644)
+    secret = audit_key_secret(pem, namespace=namespace)
     return AuditKeyFiles(path, public, write_secret_manifest(directory / AUDIT_SECRET_MANIFEST_FILE, secret), new)

@@ -12,7 +12,9 @@ scrubgate's that would outlive it goes, in an order that never leaves a released
    once scrubgate is gone (that is what uninstalling means), and which would otherwise stay Terminating.
 
 Any of 1-3 that does not end well exits 1 with the guard still in place and says what holds it; nothing has
-been removed then but the DaemonSet (a `helm upgrade` brings it back to finish the teardowns).
+been removed then but the DaemonSet. A failed pre-delete hook leaves the Helm release `uninstalling`, where
+`helm upgrade` fails ("has no deployed releases"): `helm rollback RELEASE REVISION` (the revision `helm
+history` shows `uninstalling`) deploys it again, agents included, to finish the teardowns.
 """
 
 from __future__ import annotations
@@ -167,7 +169,9 @@ def uninstall(api: Api, namespace: str, timeout_s: float, sleep: Callable[[float
         return _refuse(problem, pending(api, version))
     if not clear():
         return _refuse(
-            "a teardown started while the agents stopped; `helm upgrade` brings them back to end it", holding
+            "a teardown started while the agents stopped; bring them back to end it (Helm: the `helm rollback` "
+            "below; kustomize: apply the base again as you installed it)",
+            holding,
         )
     for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
         path = f"/apis/admissionregistration.k8s.io/v1/{kind}"
@@ -199,7 +203,11 @@ def _refuse(why: str, holding: list[str]) -> int:
         print(f"  - {line}", file=sys.stderr)
     print(
         "  See each claim's Events and `scrubgate agent status` on its node; a failed teardown ends with "
-        f"`scrubgate agent rescrub` or an admin's {names.ANNOTATION_BREAK_GLASS}. Then run the uninstall again.",
+        f"`scrubgate agent rescrub` or an admin's {names.ANNOTATION_BREAK_GLASS}. Then run the uninstall again.\n"
+        '  With Helm the release stays `uninstalling` (`helm upgrade` fails on it: "has no deployed releases"): '
+        "`helm rollback RELEASE REVISION`, the revision `helm history RELEASE` shows `uninstalling`, deploys it "
+        "again with its values; or, once what holds it is done, `helm uninstall RELEASE` again. `helm uninstall "
+        "--no-hooks` skips this wait: only once `scrubgate uninstall` has succeeded (the guard gone).",
         file=sys.stderr,
     )
     return 1

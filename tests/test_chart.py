@@ -128,6 +128,34 @@ def test_values_outside_the_schema_are_refused(helm: str, setting: str, complain
     assert result.returncode != 0 and complaint in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        # `scrubgate reports` would list the whole cluster again and again, about 12 times a second.
+        ({"reports": {"interval": "0"}}, "/reports/interval"),
+        ({"reports": {"interval": "0s"}}, "/reports/interval"),
+        ({"reports": {"interval": "0.0m"}}, "/reports/interval"),
+        ({"reports": {"interval": 0}}, "/reports/interval"),
+        ({"reports": {"interval": "-5m"}}, "/reports/interval"),
+        # The simulated backend's agent exits at start without the directory of its GPUs' state.
+        ({"agent": {"gpuBackend": "simulated"}}, "/agent/simulatedRoot"),
+        ({"agent": {"gpuBackend": "simulated", "simulatedRoot": "sim"}}, "/agent/simulatedRoot"),
+    ],
+)
+def test_values_that_render_a_failing_component_are_refused(helm: str, tmp_path: Path, values: Doc, complaint: str):
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    result = run_helm(helm, "-f", str(tmp_path / "values.yaml"))
+    assert result.returncode != 0 and complaint in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("interval", "argument"), [("30s", "30s"), ("0.5s", "0.5s"), (90, "90"), ("1h", "1h")])
+def test_a_reports_interval_above_zero_is_passed_on(helm: str, tmp_path: Path, interval: str | int, argument: str):
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"reports": {"interval": interval}}))
+    docs = render(helm, "-f", str(tmp_path / "values.yaml"))
+    args = one(docs, "Deployment", "scrubgate-reports")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--interval") + 1] == argument
+
+
 def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
     """An ECDSA key in PEM is a public key, but not one that verifies the agent's (Ed25519) attestations."""
     pem = (
@@ -147,12 +175,35 @@ def test_a_non_ed25519_public_key_is_refused(helm: str, tmp_path: Path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.parametrize("namespace", [None, "default", "kube-system", "kube-public", "kube-node-lease"])
+def test_a_shared_namespace_is_refused_unless_allowed(helm: str, namespace: str | None):
+    """`helm install` without -n lands in `default`, which the webhooks then leave out: GPU claims there would go
+    unguarded, and the agents' key would sit where many may read Secrets. Refused with why and what to do, as
+    NVIDIA's DRA driver chart refuses `default` (its templates/validation.yaml); allowed when asked for."""
+    argv = [helm, "template", "sg", str(CHART), *(["-n", namespace] if namespace else [])]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode != 0
+    assert f'not installing into the namespace "{namespace or "default"}"' in refused.stderr, refused.stderr
+    assert "unguarded" in refused.stderr and "-n scrubgate-system --create-namespace" in refused.stderr
+    assert "namespace.allowShared=true" in refused.stderr
+    allowed = subprocess.run(
+        [*argv, "--set", "namespace.allowShared=true"], capture_output=True, text=True, timeout=120
+    )
+    assert allowed.returncode == 0, allowed.stderr
+
+
 def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
-    """`helm template` without -n (the namespace `default`) and with another namespace: every reference the
-    base makes to its namespace (the webhooks' Service, RBAC subjects, the agent's identity, the certificate's
+    """`helm template` without -n (the namespace `default`, allowed) and with another namespace: every reference
+    the base makes to its namespace (the webhooks' Service, RBAC subjects, the agent's identity, the certificate's
     names, the namespace the webhooks leave out) is the release's, and the render passes scrubgate check."""
     for namespace in (None, "gpu-guard"):
-        argv = [helm, "template", "sg", str(CHART), *(["-n", namespace] if namespace else [])]
+        argv = [
+            helm,
+            "template",
+            "sg",
+            str(CHART),
+            *(["-n", namespace] if namespace else ["--set", "namespace.allowShared=true"]),
+        ]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 0, result.stderr
         namespace = namespace or "default"
@@ -175,12 +226,9 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
         assert subjects and all(s["namespace"] == namespace for s in subjects if s["kind"] == "ServiceAccount")
         policy = yaml.safe_load(one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"])
         assert policy["agent"]["identities"] == [f"system:serviceaccount:{namespace}:scrubgate-agent"]
-        tls = one(docs, "Secret", "scrubgate-webhook-tls")
-        cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName
-        )
-        assert f"scrubgate-webhook.{namespace}.svc" in sans
+        # The certificate is made in the cluster for the Service in this namespace (test_chart_lifecycle.py).
+        args = one(docs, "Job", "sg-certs")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--namespace") + 1] == namespace
         rendered = tmp_path / f"{namespace}.yaml"
         rendered.write_text(result.stdout)
         checked = run_check([str(rendered)], load_policy())
@@ -285,14 +333,16 @@ def test_image_and_version(default: list[Doc]):
     containers = [
         c for d in default for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
     ]
-    assert len(containers) == 4 and {c["image"] for c in containers} == {IMAGE}  # webhook, agent, reports, hook
+    # webhook, agent, reports, the uninstall hook and the certificates' hook
+    assert len(containers) == 5 and {c["image"] for c in containers} == {IMAGE}
 
 
 # --- values ---------------------------------------------------------------------------------------
 
 
-def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
-    secret = one(default, "Secret", "scrubgate-webhook-tls")
+def test_self_generated_certificate_matches_every_ca_bundle(helm: str):
+    self_generated = render(helm, "--set", "certs.source=self-generated")
+    secret = one(self_generated, "Secret", "scrubgate-webhook-tls")
     ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
     serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
     serving.verify_directly_issued_by(ca)
@@ -300,22 +350,27 @@ def test_self_generated_certificate_matches_every_ca_bundle(default: list[Doc]):
         x509.DNSName
     )
     assert sorted(sans) == sorted(gen.service_sans())
-    bundles = {w["clientConfig"]["caBundle"] for w in webhooks(default)}
+    bundles = {w["clientConfig"]["caBundle"] for w in webhooks(self_generated)}
     assert bundles == {secret["data"]["ca.crt"]}
 
 
 def test_audit_checkpoints_are_signed_by_default(helm: str, default: list[Doc]):
     """The default install signs its audit checkpoints with a key the chart makes (an Ed25519 PEM the webhook
-    loads); a Secret of the operator's replaces it."""
-    secret = one(default, "Secret", "scrubgate-audit-signing-key")
+    loads): in the cluster, by the certificates' hook (test_chart_lifecycle.py), or at render time with
+    self-generated certificates; a Secret of the operator's replaces it."""
+    args = one(default, "Job", "scrubgate-certs")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--audit-key-secret") + 1] == "scrubgate-audit-signing-key"
+    secret = one(render(helm, "--set", "certs.source=self-generated"), "Secret", "scrubgate-audit-signing-key")
     load_private_key(base64.b64decode(secret["data"]["ed25519.pem"]))
     pod = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--audit-signing-key") + 1] == "/etc/scrubgate/audit-key/ed25519.pem"
     volume = next(v for v in pod["volumes"] if v["name"] == "audit-key")
     assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
-    own = render(helm, "--set", "webhook.audit.signingKeySecret=mine")
-    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+    for source in ("in-cluster", "self-generated"):
+        own = render(helm, "--set", f"webhook.audit.signingKeySecret=mine,certs.source={source}")
+        assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "scrubgate-audit-signing-key"]
+        assert "--audit-key-secret" not in str([d for d in own if d["kind"] == "Job"])
 
 
 def test_default_values_start_a_webhook_without_client_authentication(helm: str, default: list[Doc]):
@@ -394,6 +449,67 @@ def test_the_knobs_platform_teams_expect(helm: str, default: list[Doc]):
     assert not [d for d in default if d["kind"] == "NetworkPolicy"]
 
 
+def test_the_hook_and_the_test_pod_take_the_pod_values(helm: str, tmp_path: Path):
+    """The uninstall hook's Job and the `helm test` Pod run once beside the webhook: they take what every pod of
+    the chart takes (a mesh's opt-out annotation, labels, pull secrets, priority class) and where the webhook runs
+    (its nodeSelector, tolerations and node affinity: tainted or dedicated nodes), but not the pod
+    anti-affinity that spreads the webhook's replicas, which would keep them off the webhook's nodes."""
+    values = tmp_path / "values.yaml"
+    node_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]
+        }
+    }
+    anti_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "webhook"}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "podAnnotations": {"sidecar.istio.io/inject": "false"},
+                "podLabels": {"team": "gpu"},
+                "imagePullSecrets": [{"name": "regcred"}],
+                "priorityClassName": "system-cluster-critical",
+                "webhook": {
+                    "nodeSelector": {"pool": "system"},
+                    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {"nodeAffinity": node_affinity, "podAntiAffinity": anti_affinity},
+                },
+            }
+        )
+    )
+    docs = render(helm, "-f", str(values))
+    job = one(docs, "Job", "scrubgate-uninstall")["spec"]["template"]
+    (test,) = [d for d in docs if d["kind"] == "Pod"]
+    for pod in (job, test):
+        assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert pod["metadata"]["labels"]["team"] == "gpu"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "scrubgate", "its own labels stay"
+        spec = pod["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert spec["priorityClassName"] == "system-cluster-critical"
+        assert spec["nodeSelector"] == {"pool": "system"}
+        assert spec["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+        assert spec["affinity"] == {"nodeAffinity": node_affinity}
+    kubernetes_validate.validate(test, kubernetes_validate.utils.latest_version(), strict=True)
+    webhook = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]
+    assert webhook["affinity"] == {"nodeAffinity": node_affinity, "podAntiAffinity": anti_affinity}
+    plain = render(helm)
+    for pod in (
+        one(plain, "Job", "scrubgate-uninstall")["spec"]["template"],
+        *[d for d in plain if d["kind"] == "Pod"],
+    ):
+        assert not {"nodeSelector", "tolerations", "affinity", "imagePullSecrets", "priorityClassName"} & set(
+            pod["spec"]
+        )
+        assert "annotations" not in pod["metadata"] or "helm.sh/hook" in pod["metadata"]["annotations"]
+
+
 def test_helm_test_asks_the_webhook_through_its_service(helm: str):
     docs = render(helm, "--namespace", "gpu-guard")
     (pod,) = [d for d in docs if d["kind"] == "Pod"]
@@ -401,7 +517,8 @@ def test_helm_test_asks_the_webhook_through_its_service(helm: str):
     assert "https://{host}/readyz" in pod["spec"]["containers"][0]["args"][0]
     assert 'host = "scrubgate-webhook.gpu-guard.svc"' in pod["spec"]["containers"][0]["args"][0]
     kubernetes_validate.validate(pod, kubernetes_validate.utils.latest_version(), strict=True)
-    assert not [d for d in render(helm, "--set", "webhook.deploy=false") if d["kind"] == "Pod"]
+    elsewhere = render(helm, "--set", "webhook.deploy=false,certs.source=provided,certs.provided.caBundle=PEM")
+    assert not [d for d in elsewhere if d["kind"] == "Pod"]
 
 
 def test_cert_manager_source(helm: str):
@@ -414,6 +531,52 @@ def test_cert_manager_source(helm: str):
                 doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/scrubgate-webhook-tls"
             )
             assert all("caBundle" not in w["clientConfig"] for w in doc["webhooks"])
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "metrics.enabled=true,reports.installCRDs=true", "--include-crds"]])
+def test_the_default_render_is_stable(helm: str, values: list[str]):
+    """Argo CD renders with `helm template` at every refresh: with default values two renders are the same bytes
+    (a CA or key generated at render time would show as drift forever, and be rotated at each sync). The
+    certificates and the audit key are made in the cluster by the certificates' hook, as Kyverno and Gatekeeper
+    make theirs: the render holds no Secret and no caBundle."""
+    first, second = run_helm(helm, *values), run_helm(helm, *values)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert all("caBundle" not in w["clientConfig"] for w in webhooks(docs))
+    job = one(docs, "Job", "scrubgate-certs")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade,post-install,post-upgrade"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["certs", "ensure"]
+
+
+def test_the_rendered_manifests_recipe(helm: str):
+    """docs/install.md, "Rendered manifests": pipelines that apply `helm template`'s output run no hooks, so they
+    render with --no-hooks (else the pre-delete Job, applied as a plain Job, runs at once and removes the guard)
+    and take the certificate and the audit key from elsewhere: no hook in the render, nothing generated, the same
+    bytes every time."""
+    recipe = (REPO / "docs" / "install.md").read_text()
+    args = [
+        "--no-hooks",
+        "--set",
+        "certs.source=cert-manager",
+        "--set",
+        "webhook.audit.signingKeySecret=scrubgate-audit-signing-key",
+    ]
+    assert "--no-hooks \\\n  --set certs.source=cert-manager \\\n  --set webhook.audit.signingKeySecret=" in recipe
+    first, second = run_helm(helm, *args), run_helm(helm, *args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert not [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+    assert not [d for d in docs if d["kind"] in ("Job", "Pod", "Secret")]
+    with_hooks = render(helm, "--set", "certs.source=cert-manager")
+    assert one(with_hooks, "Job", "scrubgate-uninstall")["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+
+
+def test_in_cluster_certificates_need_the_webhook_in_the_cluster(helm: str):
+    result = run_helm(helm, "--set", "webhook.deploy=false")
+    assert result.returncode != 0 and "certs.source=provided" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(
@@ -527,7 +690,8 @@ def test_agent_values(helm: str):
     docs = render(
         helm,
         "--set",
-        "agent.runtimeClassName=,agent.gpuBackend=simulated,agent.signingKeySecret=other-key,"
+        "agent.runtimeClassName=,agent.gpuBackend=simulated,agent.simulatedRoot=/var/lib/sim-gpus,"
+        "agent.signingKeySecret=other-key,"
         "agent.nodeSelector.gpu=yes,agent.extraTolerations[0].key=dedicated,agent.extraTolerations[0].operator=Exists",
     )
     base_pod = one(render(helm), "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]
@@ -537,6 +701,11 @@ def test_agent_values(helm: str):
     assert pod["tolerations"] == [*base_pod["tolerations"], {"key": "dedicated", "operator": "Exists"}]
     container = pod["containers"][0]
     assert container["args"][container["args"].index("--gpu-backend") + 1] == "simulated"
+    # The simulated GPUs' state is the node's: the agent reads it where it is.
+    assert container["args"][container["args"].index("--simulated-root") + 1] == "/var/lib/sim-gpus"
+    assert {"name": "simulated-gpus", "mountPath": "/var/lib/sim-gpus"} in container["volumeMounts"]
+    assert {"name": "simulated-gpus", "hostPath": {"path": "/var/lib/sim-gpus", "type": "Directory"}} in pod["volumes"]
+    assert "--simulated-root" not in base_pod["containers"][0]["args"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"other-key"}
     key_id = next(e for e in container["env"] if e["name"] == "KEY_ID")
     assert key_id["valueFrom"]["secretKeyRef"]["name"] == "other-key"

@@ -149,6 +149,63 @@ def test_every_alert_fires_when_it_should_and_not_otherwise(promtool: str, tmp_p
     assert {c["alertname"] for c in cases if not c["exp_alerts"]} == alerts, "an alert never tested quiet"
 
 
+# --- runbooks ---------------------------------------------------------------------------------------------
+
+
+def github_anchors(markdown: str) -> dict[str, str]:
+    """Each heading's anchor as GitHub makes it (lower case, punctuation other than - and _ dropped, spaces as -,
+    a repeated one numbered), with the section's text up to the next heading of the same or a higher level."""
+    anchors: dict[str, str] = {}
+    lines = markdown.splitlines()
+    headings = [(i, len(m[1]), m[2]) for i, line in enumerate(lines) if (m := re.match(r"^(#{1,6})\s+(.*?)\s*$", line))]
+    for n, (i, level, title) in enumerate(headings):
+        anchor = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        base, count = anchor, 0
+        while anchor in anchors:
+            count += 1
+            anchor = f"{base}-{count}"
+        end = next((j for j, lvl, _ in headings[n + 1 :] if lvl <= level), len(lines))
+        anchors[anchor] = "\n".join(lines[i + 1 : end])
+    return anchors
+
+
+def alert_rules() -> list[dict]:
+    rules = yaml.safe_load((DASHBOARDS / "prometheus-rules.yaml").read_text())["spec"]["groups"]
+    return [rule for group in rules for rule in group["rules"] if "alert" in rule]
+
+
+def test_github_anchors_reads_headings_as_github_does():
+    anchors = github_anchors("# A b\n\n## Audit evidence\ntext\n### ScrubgateX\nmore\n## Audit evidence\n")
+    assert list(anchors) == ["a-b", "audit-evidence", "scrubgatex", "audit-evidence-1"]
+    assert anchors["audit-evidence"] == "text\n### ScrubgateX\nmore"
+
+
+def test_every_alert_has_a_runbook_that_exists():
+    """Each alert links its own section of docs/operations.md (under the repository's address, Chart.yaml's home),
+    and the section says what the alert means, how to check and what to do."""
+    home = yaml.safe_load((REPO / "charts" / "scrubgate" / "Chart.yaml").read_text())["home"]
+    sections = github_anchors((REPO / "docs" / "operations.md").read_text())
+    for rule in alert_rules():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url == f"{home}/blob/main/docs/operations.md#{rule['alert'].lower()}", rule["alert"]
+        section = sections.get(url.partition("#")[2])
+        assert section is not None, f"{rule['alert']}: no section {url.partition('#')[2]} in docs/operations.md"
+        for part in ("**What it means.**", "**How to check.**", "**What to do.**"):
+            assert part in section, f"{rule['alert']}'s runbook has no {part}"
+
+
+def test_what_the_alerts_point_to_exists():
+    """A README section or a file an alert's text names must exist (one pointed at README "Operating", which did
+    not)."""
+    readme = github_anchors((REPO / "README.md").read_text())
+    for rule in alert_rules():
+        text = " ".join(str(value) for value in rule["annotations"].values())
+        for section in re.findall(r'README "([^"]+)"', text):
+            assert github_anchors(f"# {section}").popitem()[0] in readme, f"{rule['alert']}: README {section!r}"
+        for path in re.findall(r"\b(?:docs|dashboards|manifests|charts)/[\w./-]+\.\w+", text):
+            assert (REPO / path).exists(), f"{rule['alert']}: {path}"
+
+
 def test_monitoring_objects_are_well_formed():
     for name in ("podmonitors.yaml", "prometheus-rules.yaml"):
         for doc in yaml.safe_load_all((DASHBOARDS / name).read_text()):

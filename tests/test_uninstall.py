@@ -124,6 +124,7 @@ def test_a_fence_or_a_pending_teardown_keeps_everything_until_the_timeout(capsys
     assert not [call for call in api.calls if call[0] != "GET"], "nothing removed"
     err = capsys.readouterr().err
     assert "claim team/ended: teardown pending (scrub-status not started)" in err
+    assert_says_what_recovers(err)
     assert (
         f"DeviceTaintRule f: fence {names.TAINT_SCRUB_FAILED}" in err
         and f"node n: taint {names.TAINT_UNSANITIZED}" in err
@@ -141,7 +142,18 @@ def test_a_teardown_that_starts_while_the_agents_stop_keeps_the_guard(capsys) ->
     )
     assert uninstall(api, "scrubgate-system", 5, sleep=lambda _: None) == 1
     assert [path for method, path in api.calls if method == "DELETE"] == [DAEMONSET], "the webhooks stay"
-    assert "a teardown started while the agents stopped" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a teardown started while the agents stopped; bring them back" in err
+    assert_says_what_recovers(err)
+
+
+def assert_says_what_recovers(err: str) -> None:
+    """A failed pre-delete hook leaves the release `uninstalling`, where `helm upgrade` fails ("has no deployed
+    releases"): the way back is `helm rollback` to that revision, and `--no-hooks` only once the guard is gone
+    (both run with helm on kube-apiserver: test_chart_lifecycle.py::test_a_failed_uninstall_hook_is_recovered_as_its_text_says)."""
+    assert "helm rollback RELEASE REVISION" in err and "`helm history RELEASE` shows `uninstalling`" in err
+    assert "`helm upgrade` fails on it" in err and "brings" not in err
+    assert "--no-hooks` skips this wait: only once `scrubgate uninstall` has succeeded" in err
 
 
 def test_a_claim_reserved_for_a_pod_that_ended_is_still_a_pending_teardown(capsys) -> None:

@@ -32,7 +32,14 @@ RESOURCES = _object(
         "limits": {"type": "object", "additionalProperties": QUANTITY},
     }
 )
-DURATION = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?[smh]?$"}
+# A duration above zero, 30s, 5m, 1h or seconds (`scrubgate reports --interval`: 0 would list the whole cluster
+# again and again). The pattern is RE2, as Helm's validator reads it (no lookahead); it applies to strings only,
+# the minimum to numbers only.
+DURATION = {
+    "type": ["string", "number"],
+    "pattern": r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)[smh]?$",
+    "exclusiveMinimum": 0,
+}
 
 
 def _policy() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -55,7 +62,7 @@ def build() -> dict[str, Any]:
                 "image": _object(
                     {"repository": STRING, "tag": STRING, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}
                 ),
-                "namespace": _object({"create": BOOL}),
+                "namespace": _object({"create": BOOL, "allowShared": BOOL}),
                 "podAnnotations": STRING_MAP,
                 "podLabels": STRING_MAP,
                 "imagePullSecrets": {"type": "array", "items": _object({"name": STRING}, required=["name"])},
@@ -84,7 +91,7 @@ def build() -> dict[str, Any]:
                 ),
                 "certs": _object(
                     {
-                        "source": {"enum": ["self-generated", "cert-manager", "provided"]},
+                        "source": {"enum": ["in-cluster", "self-generated", "cert-manager", "provided"]},
                         "validityDays": {"type": "integer", "minimum": 1},
                         "provided": _object({"caBundle": STRING}),
                         "certManager": _object(
@@ -105,12 +112,19 @@ def build() -> dict[str, Any]:
                         "deploy": BOOL,
                         "runtimeClassName": STRING,
                         "gpuBackend": {"enum": ["nvml", "simulated"]},
+                        "simulatedRoot": {"type": "string", "pattern": "^(/.*)?$"},
                         "nodeSelector": STRING_MAP,
                         "extraTolerations": OBJECTS,
                         "kubeletPluginsPath": {"type": "string", "pattern": "^/"},
                         "signingKeySecret": {"type": "string", "minLength": 1},
                         "resources": RESOURCES,
-                    }
+                    },
+                    # The simulated backend keeps its GPUs' state under a directory of the node (`scrubgate agent
+                    # --simulated-root`); without one the agent exits at start, again and again.
+                    **{
+                        "if": {"properties": {"gpuBackend": {"const": "simulated"}}, "required": ["gpuBackend"]},
+                        "then": {"properties": {"simulatedRoot": {"minLength": 1}}, "required": ["simulatedRoot"]},
+                    },
                 ),
                 "reports": _object(
                     {
