@@ -79,12 +79,15 @@ def validate(
     admission: Admission | None = None,
     stored: bool = False,
     classes: DeviceClasses = UNKNOWN,
+    claims: Mapping[tuple[str, str], Mapping[str, Any]] | None = None,
 ) -> list[Finding]:
     """Findings for `obj`. Without `admission` the object is a manifest (CI): an absent grace period and a
     missing finalizer are reported, since nothing will default them; `stored` says it was read from a cluster
     (`check --cluster`), where scrubgate's annotations are the agent's writes, not a manifest's forgery.
     `classes` are the DeviceClasses known (the cluster's, or those among the manifests): a claim is guarded
-    unless its class is known and proven unable to hand out a GPU. On UPDATE only what the update
+    unless its class is known and proven unable to hand out a GPU; `claims`, by (namespace, name), those among
+    the manifests, so that a workload naming one that may hold no GPU is not a shared GPU claim (SG002). On
+    UPDATE only what the update
     introduces counts: a finding the old object had too (it predates scrubgate, or its namespace was
     relabelled) would otherwise block every later write to it, the agent's attested release included."""
     scope = Scope(policy, classes)
@@ -104,7 +107,7 @@ def validate(
         if admission.operation != "UPDATE" or not isinstance(old, dict) or kind_of(obj)[1] != "ResourceClaim":
             return []
         return _status_findings(obj, old, scope, trusted, admission.requester)
-    found = _object_findings(obj, scope, trusted, manifest=admission is None)
+    found = _object_findings(obj, scope, trusted, manifest=admission is None, claims=claims)
     if admission is None or admission.operation == "CREATE":
         if is_claim(obj) and not stored and _enabled(policy, "SG007"):
             who = admission.requester if admission is not None else Requester()
@@ -188,7 +191,13 @@ def _guarded(
     ]
 
 
-def _object_findings(obj: dict[str, Any], scope: Scope, trusted: bool, manifest: bool) -> list[Finding]:
+def _object_findings(
+    obj: dict[str, Any],
+    scope: Scope,
+    trusted: bool,
+    manifest: bool,
+    claims: Mapping[tuple[str, str], Mapping[str, Any]] | None = None,
+) -> list[Finding]:
     """SG001-SG006: what the object itself says, whoever writes it. Admin access and the fence's tolerations
     are refused in every request of every claim (a class's name proves nothing); Retain and the finalizer are
     for claims that may get a GPU."""
@@ -210,7 +219,13 @@ def _object_findings(obj: dict[str, Any], scope: Scope, trusted: bool, manifest:
         return found
     is_pod = kind_of(obj)[1] == "Pod"
     if not (is_pod and trusted):
-        found += _findings(policy, "SG002", rules.shared_claim(ref, is_pod))
+        namespace = as_str(metadata(obj).get("namespace")) or "default"
+
+        def holds_no_gpu(name: str) -> bool:
+            known = (claims or {}).get((namespace, name))
+            return known is not None and not gpu_requests(dict(known), scope)
+
+        found += _findings(policy, "SG002", rules.shared_claim(ref, is_pod, holds_no_gpu))
     found += _findings(policy, "SG003", rules.grace_period(ref, scope, manifest=manifest))
     found += _findings(policy, "SG005", rules.pod_fence_toleration(ref, scope, trusted))
     return found

@@ -2,9 +2,10 @@
 
 One invariant: **a claim is guarded unless its class is proven unable to hand out a GPU.** A class is proven so by
 its own selectors (policies/selectors.py); a class the decision does not know (not created yet, not among the
-manifests checked, not yet seen by the webhook's watch) is not, so it is guarded. The policy's lists can only
-narrow what is left out where the selectors agree: an excluded class (`excludeDeviceClasses`) is left out only
-when its selectors prove it selects no `gpu` or `mig` device of a GPU driver; `gpuDeviceClasses` only adds.
+manifests checked, not yet seen by the webhook's watch) is not, so it is guarded. The operator's list of classes
+left out (`excludeDeviceClasses`) holds only where the selectors agree: a known excluded class is left out only
+when its selectors prove it selects no `gpu` or `mig` device of a GPU driver (SG009 refuses to create one that
+does not); `gpuDeviceClasses` only adds.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ class Scope:
         return self.classes.may_hand_out_gpus(name) or self.policy.names_gpu_class(name)
 
     def is_unguarded_class(self, name: str) -> bool:
-        """An excluded class whose selectors prove it hands out no GPU memory (an IMEX channel, a GPU bound to
-        vfio-pci): no agent scrubs its devices, so a guard on them would never be lifted."""
+        """An excluded class (an IMEX channel, a GPU bound to vfio-pci: no agent scrubs its devices, so a guard on
+        them would never be lifted), unless it is known and its selectors do not prove it hands out no GPU memory.
+        An excluded name no class has yet is taken at the operator's word: no device comes through a class that
+        does not exist, and SG009 refuses to create one under that name that may hand out GPU memory."""
         if not self.policy.is_excluded_class(name):
             return False
         known = self.classes.verdicts.get(name)
-        return known is not None and not known.gpu_memory
+        return known is None or not known.gpu_memory
 
     def is_gpu_extended_resource(self, resource: str) -> bool:
         """An extended resource whose claim (KEP-5004) may hold a GPU: one of the policy's gpuExtendedResources,

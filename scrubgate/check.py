@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from scrubgate.policies.config import PolicyConfig
-from scrubgate.policies.engine import shared_claims, validate
-from scrubgate.policies.model import kind_of
+from scrubgate.policies.engine import DeviceClasses, shared_claims, validate
+from scrubgate.policies.model import as_str, is_claim, is_device_class, is_known, kind_of, metadata
 
 from .reading import CheckedObject, namespace_of, read_all, trusted_namespaces
 from .sources import STDIN, STDIN_NAME, Document, InputError, expand_paths
@@ -55,18 +55,37 @@ def check_documents(
     tenancy known then; one whose namespace turned out otherwise (a Namespace document read after it) is
     validated again. `stored`: the documents were read from a cluster, not from manifests."""
     trusted = trusted_namespaces(documents, policy, overrides or {})
+    classes, claims = known_from(documents, policy)
+    # What was validated as it was read knew neither the classes nor the claims among the documents: where there
+    # are some, the claims and workloads are validated again with them.
+    context = bool(classes.verdicts or claims)
     done = {id(c.document): c for c in checked or ()}
     out = []
     for doc in documents:
         is_trusted = namespace_of(doc.obj) in trusted
         found = done.get(id(doc))
-        if found is None or found.trusted != is_trusted:
-            found = CheckedObject(doc, validate(doc.obj, policy, trusted=is_trusted, stored=stored), is_trusted)
+        if found is None or found.trusted != is_trusted or (context and is_known(doc.obj)):
+            findings = validate(doc.obj, policy, trusted=is_trusted, stored=stored, classes=classes, claims=claims)
+            found = CheckedObject(doc, findings, is_trusted)
         out.append(found)
     keyed = ((i, c.document.obj, c.trusted) for i, c in enumerate(out))
     for index, finding in shared_claims(keyed, policy):
         out[index].findings.append(finding)
     return out
+
+
+def known_from(
+    documents: list[Document], policy: PolicyConfig
+) -> tuple[DeviceClasses, dict[tuple[str, str], dict[str, object]]]:
+    """The DeviceClasses among the documents (a claim of one proven to hand out no GPU is not guarded) and the
+    ResourceClaims, by (namespace, name) (a workload naming one that holds no GPU shares none, SG002)."""
+    classes = DeviceClasses.of((d.obj for d in documents if is_device_class(d.obj)), policy.gpu_drivers)
+    claims = {
+        (namespace_of(d.obj), name): d.obj
+        for d in documents
+        if is_claim(d.obj) and kind_of(d.obj)[1] == "ResourceClaim" and (name := as_str(metadata(d.obj).get("name")))
+    }
+    return classes, claims
 
 
 @contextmanager

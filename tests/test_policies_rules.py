@@ -186,14 +186,19 @@ NVIDIA_UNSCRUBBED = {
 def test_nvidia_classes_no_agent_scrubs_get_no_finalizer(dra, policy, device_class_name):
     """IMEX channels hold no GPU memory and a vfio-pci GPU is scrubbed by no agent: a finalizer on their claims
     would never be removed, and their namespaces would hang in Terminating. Known as NVIDIA defines them, they
-    are out of scope; not known, they are guarded (fail closed)."""
+    are out of scope, and not known at all (no class of that name: no device comes through it); known under that
+    name but selecting GPUs, they are guarded."""
     known = DeviceClasses.of(
         [device_class(device_class_name, NVIDIA_UNSCRUBBED[device_class_name])], ["gpu.nvidia.com"]
     )
     obj = dra.claim("v1", requests=[dra.device_request("v1", device_class_name)])
     assert validate(obj, policy, trusted=False, classes=known) == []
     assert default(obj, policy, classes=known) == []
-    assert [f.rule for f in default(obj, policy)] == ["SG004"]
+    assert default(obj, policy) == []
+    impostor = DeviceClasses.of(
+        [device_class(device_class_name, "device.driver == 'gpu.nvidia.com'")], ["gpu.nvidia.com"]
+    )
+    assert [f.rule for f in default(obj, policy, classes=impostor)] == ["SG004"]
 
 
 def test_one_gpu_alternative_in_first_available_brings_the_claim_in_scope(dra, policy, structured_version):
