@@ -850,17 +850,15 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
     assert not [d for d in manual if d["metadata"]["name"] == "scrubgate-uninstall"], "the README's manual order"
 
 
-def test_the_webhooks_are_sent_the_claims_of_the_policys_gpu_classes(helm: str):
-    """A claim naming another vendor's class never waits on scrubgate; the policy's gpuDeviceClasses (globs)
-    reach every webhook's claim condition, the mutating one's too. A [set] glob is not translated: every claim
-    is sent then."""
-    docs = render(helm, "--set", "policy.gpuDeviceClasses={gpu.nvidia.com,h100-*,a?0}")
+def test_the_webhooks_skip_only_the_claims_of_the_policys_excluded_classes(helm: str):
+    """A claim naming only classes the policy leaves out (and asking for no admin access or toleration) never
+    waits on scrubgate; every other claim does, whatever its class is called. The policy's excludeDeviceClasses
+    reach every webhook's claim condition, the mutating one's too; the agent's identity is the release's."""
+    docs = render(helm, "--set", "policy.excludeDeviceClasses={nic.example.com,imex.nvidia.com}", "-n", "gpu-guard")
     hooks = webhooks(docs)
     assert len(hooks) == 4
     for hook in hooks:
-        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-requests-a-gpu-class"]
-        assert r"[r'^gpu\.nvidia\.com$', r'^h100-.*$', r'^a.0$']" in condition["expression"], hook["name"]
-    docs = render(helm, "--set", "policy.gpuDeviceClasses={gpu.nvidia.com,h[0-9]00}")
-    for hook in webhooks(docs):
-        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-requests-a-gpu-class"]
-        assert "[r'^.*$']" in condition["expression"], hook["name"]
+        (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-may-hold-a-gpu-or-asks-for-access"]
+        assert condition["expression"].count("['nic.example.com', 'imex.nvidia.com']") == 3, hook["name"]
+        for other in hook["matchConditions"]:
+            assert "scrubgate-system" not in other["expression"], (hook["name"], other["name"])

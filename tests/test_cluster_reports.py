@@ -82,12 +82,13 @@ def test_check_cluster_reports_what_was_there_before_the_webhook(api):
     assert api.writes() == []  # read-only
 
 
-def test_a_gpu_device_class_outside_the_policy_goes_to_the_cluster_report(api):
-    """SG009 in a cluster: a DeviceClass handing out gpu.nvidia.com's devices under a name the policy does not
-    count as a GPU class (created while no webhook ran) is found, and reported cluster-wide."""
+def test_a_gpu_device_class_under_an_excluded_name_goes_to_the_cluster_report(api):
+    """SG009 in a cluster: a DeviceClass handing out gpu.nvidia.com's devices under a name the policy leaves out
+    (created while no webhook ran) is found, and reported cluster-wide."""
     selector = {"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}
     api.add(
-        "/apis/resource.k8s.io/v1/deviceclasses", {"metadata": {"name": "h100-80gb"}, "spec": {"selectors": [selector]}}
+        "/apis/resource.k8s.io/v1/deviceclasses",
+        {"metadata": {"name": "imex.nvidia.com"}, "spec": {"selectors": [selector]}},
     )
     api.add(
         "/apis/resource.k8s.io/v1/deviceclasses",
@@ -99,11 +100,11 @@ def test_a_gpu_device_class_outside_the_policy_goes_to_the_cluster_report(api):
         for c in result.objects
         if c.document.obj["kind"] == "DeviceClass"
     ]
-    assert sorted(classes) == [("gpu.nvidia.com", []), ("h100-80gb", ["SG009"])]
+    assert sorted(classes) == [("gpu.nvidia.com", []), ("imex.nvidia.com", ["SG009"])]
     cluster_report = build_reports(result)[""]
     assert cluster_report["kind"] == "ClusterPolicyReport"
     assert [(r["rule"], r["resources"][0]["kind"], r["resources"][0]["name"]) for r in cluster_report["results"]] == [
-        ("SG009", "DeviceClass", "h100-80gb")
+        ("SG009", "DeviceClass", "imex.nvidia.com")
     ]
 
 

@@ -199,10 +199,11 @@ def refuse_binding(namespace: str, pod: str) -> list[dict]:
     return workloads.admission_policy(f"refuse-binding-{namespace}", rule, expression, "binding refused", namespace)
 
 
-def binding_refused(cluster: Cluster, namespace: str, pod: str) -> bool:
+def binding_refused(cluster: Cluster, namespace: str, pod: str, node: str | None = None) -> bool:
     """Whether the API server refuses a Binding of ``pod`` (a dry run: admission runs before the pod is looked
     up, so the answer is the policy's, or NotFound while it is not in force yet)."""
-    body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod}, "target": {"name": cluster.node}}
+    target = {"name": node or cluster.node}
+    body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod}, "target": target}
     try:
         cluster.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/binding", body, query=[("dryRun", "All")])
     except ApiException as exc:

@@ -23,9 +23,10 @@ from e2e_support import (
     wait_phase,
 )
 from scrubgate.policies import names
+from test_e2e_kubernetes import binding_refused, refuse_binding
 
 from devcluster import workloads
-from devcluster.harness import Cluster, SimNode, wait_for
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, SimNode, object_path, wait_for
 
 cluster_factory_fixture = e2e_support.cluster_factory_fixture
 
@@ -190,4 +191,72 @@ def test_a_used_claim_stripped_of_delete_protection_is_not_handed_to_another_nod
     again = wait_phase(cluster, ns, "again", "Running")
     assert again["spec"]["nodeName"] == second.name and canary_found(again) is False
     assert allocated_device(cluster.claim(ns, "mine") or {}) == (workloads.DRIVER, second.name, "gpu-0")
+    assert_invariant(cluster)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_shared_claims_ended_pod_and_a_failed_binding_do_not_make_it_look_unused(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Issue 28 item 3, the hole on the real control plane. A shared claim (single-tenant namespace) is used on
+    gpu-node-1, while a second pod on it cannot bind (a ValidatingAdmissionPolicy refuses its Binding, as binding
+    conditions or a node gone do), and the first pod ends with no agent on the node to hold the claim. The
+    resourceclaim controller used to drop the first pod, kube-scheduler's Unreserve the second, and PostFilter,
+    scheduling a third pod that fits only gpu-node-2, cleared the allocation as one nobody used: gpu-node-1's GPU
+    went to another tenant with the canary in it. Now the controller may not drop a pod that may have run from a
+    GPU claim no agent holds (SG007), so the claim keeps looking used; once the agent is back it holds the claim,
+    scrubs, attests and releases it, and only then is anything allocated the GPU."""
+    cluster = cluster_factory(gpus=1, nodes=2)
+    first, second = cluster.nodes
+    ns = tenant_namespace(cluster, "shared-hole", trusted=True)
+    others = tenant_namespace(cluster, "shared-hole-next")
+    cluster.request("POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("mine"), user="alice")
+    secret = "SECRET-OF-THE-SHARED-CLAIM"
+    first.agent.stop()  # no hold: the window the issue found
+    cluster.core("alice").create_namespaced_pod(ns, pod_on(first.name, "first", "mine", canary=secret))
+    wait_phase(cluster, ns, "first", "Running")
+    uuid = first.device_uuid("gpu-0")
+    assert secret.encode() in first.gpu_memory(uuid)
+    refusal = refuse_binding(ns, "second")
+    for doc in refusal:
+        cluster.apply(doc)
+    try:
+        wait_for(lambda: binding_refused(cluster, ns, "second", first.name), WAIT_S, "the Binding refusal in force")
+        cluster.core("alice").create_namespaced_pod(ns, pod_on(first.name, "second", "mine"))
+        cluster.core("alice").delete_namespaced_pod("first", ns)
+        wait_for(lambda: cluster.pod(ns, "first") is None, WAIT_S, "the first pod gone")
+        # The controller's drop of the pod that ran is refused while no agent holds the claim.
+        refused = wait_for(
+            lambda: [
+                r
+                for r in cluster.audit_denials("SG007", namespace=ns, name="mine", subResource="status")
+                if "removed pod(s) first" in r["findings"][0]["message"]
+            ],
+            WAIT_S,
+            "the resourceclaim controller's drop of the first pod refused",
+        )
+        assert refused[0]["user"] == CLAIM_CONTROLLER_USER
+    finally:
+        for doc in reversed(refusal):
+            cluster.request("DELETE", object_path(doc))
+    cluster.core("alice").delete_namespaced_pod("second", ns)
+    # A pod on the claim that fits only gpu-node-2, and another tenant asking for gpu-node-1's GPU.
+    cluster.core("alice").create_namespaced_pod(ns, pod_on(second.name, "third", "mine", look_for=secret))
+    create_template(cluster, "bob", others, "that-gpu", selectors=[workloads.uuid_selector(uuid)])
+    bob = workloads.pod("next", template="that-gpu", annotations=workloads.workload_annotations(look_for=secret))
+    cluster.core("bob").create_namespaced_pod(others, bob)
+    wait_for(lambda: cluster.pod(ns, "second") is None, WAIT_S, "the second pod gone")
+    claim = cluster.claim(ns, "mine") or {}
+    assert allocated_device(claim) == (workloads.DRIVER, first.name, "gpu-0"), "deallocated without a scrub"
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["first"], "the used claim looks used"
+    assert not (cluster.pod(others, "next") or {})["spec"].get("nodeName")
+
+    first.agent.start()  # its start-up finds the claim on its node, holds it, scrubs, attests, releases
+    third = wait_phase(cluster, ns, "third", "Running", timeout=WAIT_S * 3)
+    assert third["spec"]["nodeName"] == second.name and canary_found(third) is False
+    nxt = wait_phase(cluster, others, "next", "Running", timeout=WAIT_S * 3)
+    assert canary_found(nxt) is False
+    payload = verified_attestation(cluster, claim["metadata"]["uid"])
+    assert payload["node"] == first.name and payload["allocation"]["reservation"]
     assert_invariant(cluster)

@@ -490,7 +490,8 @@ def test_an_unwritable_audit_log_refuses_warned_requests_but_keeps_denials(webho
 
 def test_health_readiness_and_metrics(webhook):
     assert webhook.http.get("/healthz").status_code == 200
-    assert webhook.http.get("/readyz").json() == {"status": "ready"}
+    # No API access here: ready, every claim guarded (the DeviceClasses not read).
+    assert webhook.http.get("/readyz").json() == {"status": "ready", "deviceClasses": False}
     post_review(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
     text = webhook.http.get("/metrics").text
     assert (
