@@ -16,7 +16,7 @@ from scrubgate.policies import names
 from scrubgate.policies.config import load_policy
 from scrubgate.policies.selectors import DeviceClasses
 from scrubgate.webhook import handlers
-from scrubgate.webhook.app import AdmissionEndpoint, create_app
+from scrubgate.webhook.app import AdmissionEndpoint, WebhookState, create_app
 from scrubgate.webhook.audit import backup_path
 from scrubgate.webhook.defaults import AUDIT_MAX_BYTES
 from scrubgate.webhook.repeats import RepeatedRefusals, refusal_key
@@ -192,7 +192,7 @@ def test_a_refused_dry_run_is_keyed_on_what_was_refused_not_on_its_words():
 
 
 @contextmanager
-def admission(directory: Path) -> Iterator[tuple[AdmissionEndpoint, Path, object]]:
+def admission(directory: Path) -> Iterator[tuple[AdmissionEndpoint, Path, WebhookState]]:
     """/validate of the real app, called as uvicorn calls it, with the shipped audit log (hash-chained, rotated
     at AUDIT_MAX_BYTES): the transport is left out, so that ten thousand requests take seconds."""
     audit_log = directory / "audit" / "audit.jsonl"
