@@ -12,6 +12,13 @@ of the small requests in each phase, how many heavy requests were answered (and 
 their timeout passed before the worker got to them), and the audit log's size.
 
     .venv/bin/python bench/webhook_flood.py [--heavy 48] [--seconds 20]
+
+With `--refusals N` it measures the audit log instead: one tenant (64 ServiceAccounts of one namespace) sends N
+refused dry runs, each worded differently (a new name, 1 to 20 tolerations of scrubgate's taints with keys never
+used before, a pod or a claim), over 16 connections, to a webhook with the shipped audit log settings (16 MiB,
+10 backups); prints the records written, their bytes and the files rotated.
+
+    .venv/bin/python bench/webhook_flood.py --refusals 10000
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from scrubgate.certs.generate import generate_ca, issue_serving_cert, write_tls_dir
@@ -37,7 +46,7 @@ HOST = "scrubgate-webhook.scrubgate-system.svc"
 TOLERATION = {"key": "scrubgate.dev/unsanitized", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def review(obj: dict, group: str, resource: str, dry_run: bool = False) -> bytes:
+def review(obj: dict, group: str, resource: str, dry_run: bool = False, username: str = "alice") -> bytes:
     version = obj["apiVersion"].split("/")[-1]
     gvk = {"group": group, "version": version, "kind": obj["kind"]}
     gvr = {"group": group, "version": version, "resource": resource}
@@ -49,7 +58,7 @@ def review(obj: dict, group: str, resource: str, dry_run: bool = False) -> bytes
         "requestResource": gvr,
         "namespace": "team-a",
         "operation": "CREATE",
-        "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+        "userInfo": {"username": username, "groups": ["system:authenticated"]},
         "object": obj,
         "dryRun": dry_run,
         "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
@@ -67,8 +76,8 @@ def small_claim() -> bytes:
     return review(claim, "resource.k8s.io", "resourceclaims")
 
 
-def heavy_pod(tolerations: int) -> bytes:
-    pod = {
+def gpu_pod(tolerations: list[dict]) -> dict:
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "heavy", "namespace": "team-a"},
@@ -76,10 +85,30 @@ def heavy_pod(tolerations: int) -> bytes:
             "containers": [{"name": "main", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
             "terminationGracePeriodSeconds": 30,
-            "tolerations": [dict(TOLERATION, value=f"tenant-{i:06d}") for i in range(tolerations)],
+            "tolerations": tolerations,
         },
     }
+
+
+def heavy_pod(tolerations: int) -> bytes:
+    pod = gpu_pod([dict(TOLERATION, value=f"tenant-{i:06d}") for i in range(tolerations)])
     return review(pod, "", "pods", dry_run=True)
+
+
+def varied_refusal(i: int) -> bytes:
+    """The i-th of one tenant's refused dry runs: its namespace's ServiceAccounts in turn, a pod or a claim, and
+    every message new (toleration keys never used before, 1 to 20 of them)."""
+    tolerations = [{"key": f"scrubgate.dev/probe-{i}-{j}", "operator": "Exists"} for j in range(1 + i % 20)]
+    username = f"system:serviceaccount:team-a:probe-{i % 64}"
+    meta = {"name": f"probe-{i}", "namespace": "team-a"}
+    if (i // 64) % 2:
+        request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com", "tolerations": tolerations}}
+        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": meta}
+        claim["spec"] = {"devices": {"requests": [request]}}
+        return review(claim, "resource.k8s.io", "resourceclaims", dry_run=True, username=username)
+    pod = gpu_pod(tolerations)
+    pod["metadata"] = meta
+    return review(pod, "", "pods", dry_run=True, username=username)
 
 
 def http_request(path: str, body: bytes) -> bytes:
@@ -91,14 +120,19 @@ def http_request(path: str, body: bytes) -> bytes:
 
 async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> float:
     started = time.perf_counter()
+    ok, _ = await answer(reader, writer, request)
+    # Any other answer (a 503 for a request whose timeout passed before its turn) is a refusal: infinitely slow.
+    return time.perf_counter() - started if ok else math.inf
+
+
+async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[bool, bytes]:
+    """Whether the answer was a 200, and its body."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     length = next(
         int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
     )
-    await reader.readexactly(length)
-    # Any other answer (a 503 for a request whose timeout passed before its turn) is a refusal: infinitely slow.
-    return time.perf_counter() - started if head.startswith(b"HTTP/1.1 200") else math.inf
+    return head.startswith(b"HTTP/1.1 200"), await reader.readexactly(length)
 
 
 async def connect(port: int, context: ssl.SSLContext) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -170,45 +204,89 @@ def measure(port: int, ca: Path, args: argparse.Namespace) -> list[tuple[str, li
     return [("baseline", baseline, []), (f"{args.heavy} heavy in flight", small, heavy)]
 
 
+async def send_refusals(port: int, context: ssl.SSLContext, count: int, connections: int = 16) -> int:
+    """Sends the `count` varied refused dry runs over `connections` connections; how many were refused."""
+    requests = iter(range(count))
+    refused = 0
+
+    async def worker() -> None:
+        nonlocal refused
+        reader, writer = await connect(port, context)
+        try:
+            for i in requests:
+                ok, body = await answer(reader, writer, http_request("/validate?timeout=5s", varied_refusal(i)))
+                refused += ok and json.loads(body)["response"]["allowed"] is False
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    return refused
+
+
+def audit_files(audit: Path) -> list[Path]:
+    return [path for path in [audit, *audit.parent.glob(audit.name + ".*")] if path.exists()]
+
+
+def measure_refusals(port: int, ca: Path, audit: Path, count: int) -> None:
+    refused = asyncio.run(send_refusals(port, ssl.create_default_context(cafile=str(ca)), count))
+    files = audit_files(audit)
+    records = sum(len(path.read_bytes().splitlines()) for path in files)
+    size = sum(path.stat().st_size for path in files)
+    print("| dry runs sent | refused | audit records | audit bytes | files rotated |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {count:,} | {refused:,} | {records:,} | {size:,} | {len(files) - 1} |")
+
+
+@contextmanager
+def webhook(work: Path, audit_max_bytes: int | None) -> Iterator[tuple[int, Path, Path]]:
+    """`scrubgate webhook` as its own process, TLS on a free loopback port: the port, its CA and its audit log."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devcluster: the harness at the repo root
+    from devcluster.processes import free_port
+
+    scrubgate = shutil.which("scrubgate", path=str(Path(sys.executable).parent)) or "scrubgate"
+    ca = generate_ca()
+    tls = write_tls_dir(work / "tls", ca, issue_serving_cert(ca, [HOST, "127.0.0.1"]))
+    port = free_port()
+    audit = work / "audit.jsonl"
+    command = [scrubgate, "webhook", "--tls-cert", str(tls.tls_cert), "--tls-key", str(tls.tls_key),
+               "--host", "127.0.0.1", "--port", str(port), "--audit-log", str(audit)]  # fmt: skip
+    if audit_max_bytes is not None:
+        command += ["--audit-max-bytes", str(audit_max_bytes)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the webhook did not start") from None
+                time.sleep(0.1)
+        yield port, tls.ca_cert, audit
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still working through the flood
+            server.kill()
+            server.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heavy", type=int, default=48, help="heavy requests in flight (default 48)")
     parser.add_argument("--tolerations", type=int, default=25_000, help="tolerations per heavy pod (default 25000)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the flood (default 20)")
+    parser.add_argument("--refusals", type=int, default=0, help="measure the audit log under N varied refused dry runs")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devcluster: the harness at the repo root
-    from devcluster.processes import free_port
-
-    scrubgate = shutil.which("scrubgate", path=str(Path(sys.executable).parent)) or "scrubgate"
     with tempfile.TemporaryDirectory(prefix="scrubgate-flood-") as tmp:
-        work = Path(tmp)
-        ca = generate_ca()
-        tls = write_tls_dir(work / "tls", ca, issue_serving_cert(ca, [HOST, "127.0.0.1"]))
-        port = free_port()
-        audit = work / "audit.jsonl"
-        server = subprocess.Popen(
-            [scrubgate, "webhook", "--tls-cert", str(tls.tls_cert), "--tls-key", str(tls.tls_key), "--host", "127.0.0.1",
-             "--port", str(port), "--audit-log", str(audit), "--audit-max-bytes", str(1 << 30)],
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit("the webhook did not start") from None
-                    time.sleep(0.1)
-            phases = measure(port, tls.ca_cert, args)
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # still working through the flood
-                server.kill()
-                server.wait()
+        if args.refusals:
+            with webhook(Path(tmp), None) as (port, ca, audit):  # the shipped rotation: 16 MiB, 10 backups
+                measure_refusals(port, ca, audit, args.refusals)
+            return 0
+        with webhook(Path(tmp), 1 << 30) as (port, ca, audit):
+            phases = measure(port, ca, args)
         audit_bytes = audit.stat().st_size if audit.exists() else 0
     print(
         "| phase | small /mutate | refused | p50 ms | p99 ms | max ms | heavy answered | heavy refused | answered p50 s |"

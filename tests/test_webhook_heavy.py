@@ -13,9 +13,9 @@ import pytest
 from scrubgate.policies.config import load_policy
 from scrubgate.policies.selectors import DeviceClasses
 from scrubgate.webhook import handlers
-from scrubgate.webhook.fairlane import FairLane, requester
+from scrubgate.webhook.fairlane import UNREAD, FairLane, tenant
 from scrubgate.webhook.transport import decode, request_timeout
-from webhook_support import audit_records, gpu_claim, gpu_pod, review, serving
+from webhook_support import USER, audit_records, gpu_claim, gpu_pod, review, serving
 
 FENCE_TOLERATION = {"key": "scrubgate.dev/unsanitized", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -98,9 +98,9 @@ def test_a_small_request_is_answered_while_heavy_ones_are_evaluated(tmp_path, mo
         assert answers == [200, 200, 200]
 
 
-def test_requesters_take_turns_on_the_heavy_lane():
+def test_tenants_take_turns_on_the_heavy_lane():
     """A tenant's flood queued first: another tenant's request is evaluated after one of the flood's, not after
-    all of them; within a requester, in order."""
+    all of them; within a tenant, in order."""
     started, release = threading.Event(), threading.Event()
     order: list[str] = []
 
@@ -129,20 +129,79 @@ def test_requesters_take_turns_on_the_heavy_lane():
     assert order[5:] == ["alice-2", "flood-2", "flood-3", "flood-4"]
 
 
-def test_the_requester_is_read_from_the_start_of_the_body_whatever_the_objects_size():
-    body = json.dumps(review(heavy_pod(5_000), user={"username": "system:serviceaccount:team-a:ci", "groups": []}))
-    assert len(body) > 500_000 and requester(body.encode()) == "system:serviceaccount:team-a:ci"
-    assert requester(b'{"request": {"object": {}}}') == ""
+def service_account(namespace: str, name: str) -> dict:
+    username = f"system:serviceaccount:{namespace}:{name}"
+    return {"username": username, "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"]}
+
+
+def body_of(obj: dict, user: dict, **fields) -> bytes:
+    return json.dumps(review(obj, user=user, **fields)).encode()
+
+
+def test_a_namespaces_users_and_service_accounts_are_one_tenant_whatever_the_objects_size():
+    """Anyone who may create ServiceAccount tokens in a namespace can be as many requesters as they like: the
+    namespace is the tenant, read from the start of the body however big the object."""
+    pod = heavy_pod(5_000)
+    keys = {tenant(body_of(pod, service_account("team-a", f"sa-{i}"))) for i in range(64)}
+    keys.add(tenant(body_of(pod, USER)))
+    assert len(body_of(pod, USER)) > 500_000
+    assert keys == {"namespace:team-a"}
+    assert tenant(body_of(gpu_claim(namespace="team-b"), USER)) == "namespace:team-b"
+
+
+def test_a_cluster_scoped_request_is_its_users_and_a_service_accounts_is_its_namespaces():
+    device_class = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "gpu"}}
+    as_api_server = review(device_class, user=USER)
+    del as_api_server["request"]["namespace"]  # omitempty: the API server writes none for a cluster-scoped object
+    assert tenant(json.dumps(as_api_server).encode()) == "user:alice"
+    assert tenant(body_of(device_class, USER)) == "user:alice", "an empty namespace is none"
+    assert tenant(body_of(device_class, service_account("team-a", "ci"))) == "namespace:team-a"
+
+
+def test_the_tenant_is_read_from_the_requests_own_fields_not_from_strings_that_look_like_them():
+    """A name or an object's metadata that spells `"namespace": ...` is not the request's namespace."""
+    pod = gpu_pod(name='x","namespace":"team-z')
+    assert tenant(body_of(pod, USER)) == "namespace:team-a"
+    device_class = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"namespace": "team-z"}}
+    body = review(device_class, user={"username": 'bob","namespace":"team-z'})
+    del body["request"]["namespace"]  # cluster-scoped: the API server writes none, whatever the object says
+    assert tenant(json.dumps(body).encode()) == 'user:bob","namespace":"team-z'
+
+
+def reordered(obj: dict, user: dict, first: str) -> bytes:
+    """A review whose `first` member comes before all the others (the API server writes them in Go order)."""
+    request = review(obj, user=user)["request"]
+    request = {first: request.pop(first), **request}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda user: reordered(heavy_pod(3_000), user, "object"),  # the namespace after the prefix read
+        lambda user: body_of(gpu_pod(), user)[:300],  # cut off before the namespace
+        lambda user: body_of(gpu_pod(), user).replace(b'"namespace": "team-a"', b'"namespace": 7', 1),
+        lambda user: b"not json " + body_of(gpu_pod(), user),
+        lambda user: body_of(gpu_pod(), user).replace(b'"uid": ', b'"uid": ' + b"[" * 10_000, 1),
+    ],
+    ids=["object-first", "cut-off", "namespace-not-a-string", "not-json", "nested-past-measure"],
+)
+def test_a_request_whose_tenant_cannot_be_read_gets_no_lane_of_its_own(make):
+    """Every such request shares one queue, whoever sends it: no namespace read does not mean "cluster-scoped,
+    key by user", which would give each of a namespace's ServiceAccounts a turn of its own."""
+    keys = {tenant(make(service_account("team-a", f"sa-{i}"))) for i in range(8)}
+    assert keys == {UNREAD}
 
 
 def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp_path, monkeypatch):
-    """Through the webhook: mallory's heavy dry runs are being evaluated and queued; alice's one large pod is
-    answered after at most one more of mallory's, while most of the flood still waits."""
+    """Through the webhook: heavy dry runs of six ServiceAccounts of team-a are being evaluated and queued;
+    alice's one large pod in team-b is answered after at most one more of team-a's, while most of the flood
+    still waits. Keyed by requester, the six would have taken six turns to alice's one."""
     entered, release, evaluated = hold_the_first_evaluation(monkeypatch, lambda request: request.username)
     with serving(tmp_path) as webhook:
 
-        def post(user: str, answers: list[float]) -> None:
-            body = json.dumps(review(heavy_pod(3_000), user={"username": user, "groups": []}, dry_run=True)).encode()
+        def post(pod: dict, user: dict, answers: list[float]) -> None:
+            body = json.dumps(review(pod, user=user, dry_run=True)).encode()
             with webhook.client() as client:
                 response = client.post(
                     "/validate", content=body, headers={"content-type": "application/json"}, timeout=60
@@ -151,7 +210,10 @@ def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp
                 answers.append(time.monotonic())
 
         flood_answers: list[float] = []
-        flood = [threading.Thread(target=post, args=("mallory", flood_answers)) for _ in range(6)]
+        flood = [
+            threading.Thread(target=post, args=(heavy_pod(3_000), service_account("team-a", f"sa-{i}"), flood_answers))
+            for i in range(6)
+        ]
         flood[0].start()
         assert entered.acquire(timeout=20)
         for thread in flood[1:]:
@@ -160,7 +222,8 @@ def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp
         while webhook.state.heavy_lane.queued() < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         alice_answers: list[float] = []
-        alice = threading.Thread(target=post, args=("alice", alice_answers))
+        alices_pod = gpu_pod(namespace="team-b", tolerations=heavy_pod(3_000)["spec"]["tolerations"])
+        alice = threading.Thread(target=post, args=(alices_pod, USER, alice_answers))
         alice.start()
         while webhook.state.heavy_lane.queued() < 6 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -35,7 +35,7 @@ from .defaults import (
     REPEAT_KEYS,
     REPEAT_WINDOW_S,
 )
-from .fairlane import FairLane, requester
+from .fairlane import FairLane, tenant
 from .handlers import Outcome
 from .metrics import CONTENT_TYPE, Metrics
 from .policy_reload import PolicySource
@@ -184,12 +184,12 @@ class AdmissionEndpoint:
             body = await read_body(headers.get(b"content-length"), receive, state.max_body_bytes)
             if len(body) > state.heavy_body_bytes:
                 # Decoding and evaluating a big object takes long enough to hold up every small request behind
-                # it: a worker thread does it (and frees the object), the event loop keeps serving; requesters
+                # it: a worker thread does it (and frees the object), the event loop keeps serving; tenants
                 # take turns there (fairlane.py), so that one tenant's flood does not hold up the others.
                 timeout = request_timeout(scope.get("query_string", b""))
                 deadline = started + timeout if timeout is not None else None
                 work = partial(self.decide, body, deadline, heavy=True)
-                decided = await asyncio.wrap_future(state.heavy_lane.submit(requester(body), work))
+                decided = await asyncio.wrap_future(state.heavy_lane.submit(tenant(body), work))
             else:
                 decided = self.decide(body)
         except TransportError as err:

@@ -5,10 +5,13 @@ until the agent's attestation is on the claim: a dozen identical refusals per re
 nothing an auditor learns from beyond the first. A refused status write is a repeat when the same user made the
 same request (apiVersion, kind, operation) on the same object (its UID) with the same findings, within the
 window; a repeat is counted, not recorded, and the next record of that refusal says how many were left out.
-So is a refused dry run (which changes nothing) of the same user, kind and operation in the same namespace with
-the same findings, whatever the object's name: a flood of them would otherwise roll the audit log over.
-Refusals of anything else are all recorded. The table is bounded: the oldest
-entries go first, after which their refusal is recorded again (more records, never fewer).
+
+So is a refused dry run (which changes nothing) when the same user was refused the same kind of write in the
+same namespace by the same rules: what was refused, not how the message words it. The words are the
+requester's to vary (a toleration key, an object name, how many tolerations), and keying on them let one
+tenant's flood of dry runs, each a little different, roll the audit log over; the rule IDs are a handful.
+Refusals of anything else are all recorded. The table is bounded: the oldest entries go first, after which
+their refusal is recorded again (more records, never fewer).
 """
 
 from __future__ import annotations
@@ -25,21 +28,22 @@ from .review import AdmissionRequest
 
 
 def refusal_key(request: AdmissionRequest, findings: Sequence[Finding]) -> bytes | None:
-    """What makes two refusals of a status write, or two refused dry runs, the same, as a digest (of the findings
-    a record shows, and their number); None for any other request, which is always recorded: a person's
-    attempts on the object itself are each worth a record."""
+    """What makes two refusals of a status write, or two refused dry runs, the same, as a digest; None for any
+    other request, which is always recorded: a person's attempts on the object itself are each worth a record."""
     meta = (request.old_object or {}).get("metadata") or {}
     uid = meta.get("uid")
     if request.dry_run:
-        key = ["dry-run", request.namespace, request.api_version, request.kind_name, request.operation]
-        key += [request.sub_resource, request.username, request.groups]
+        rules = sorted({finding.rule for finding in findings})
+        key = ["dry-run", request.username, request.namespace, request.kind.get("group", ""), request.kind_name]
+        key += [request.operation, request.sub_resource, rules]
     elif uid and request.sub_resource == "status":
         key = [uid, request.api_version, request.kind_name, request.operation, request.sub_resource]
         key += [request.username, request.groups]
+        # The controller's retries are word for word the same; what a record shows of them is part of the key.
+        key += [[(f.rule, f.action, f.path, f.message) for f in findings[:MAX_FINDINGS_SHOWN]], len(findings)]
     else:
         return None
-    shown = [(f.rule, f.action, f.path, f.message) for f in findings[:MAX_FINDINGS_SHOWN]]
-    return hashlib.blake2b(repr((*key, shown, len(findings))).encode(), digest_size=16).digest()
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
 
 class RepeatedRefusals:
