@@ -146,7 +146,9 @@ def test_a_claim_deleted_while_its_pod_runs_is_not_scrubbed_under_it(cluster: Cl
         WAIT_S,
         "the claim being deleted",
     )
-    assert [r["name"] for r in deleting["status"]["reservedFor"]] == ["trainer"]
+    reserved = deleting["status"]["reservedFor"]
+    assert [r["name"] for r in reserved if r["resource"] == "pods"] == ["trainer"]
+    assert [r["name"] for r in reserved if r["resource"] == names.RESERVATION_RESOURCE] == [cluster.node], "held"
     # Through two of the agent's resyncs (--resync 5): still fenced, nothing attested, the pod's memory intact.
     deadline = time.monotonic() + 12
     while time.monotonic() < deadline:
@@ -261,11 +263,11 @@ def test_the_schedulers_claim_of_a_failed_binding_does_not_hold_the_gpus(cluster
 
 
 def test_postfilter_does_not_clear_a_claim_held_for_its_scrub(cluster: Cluster) -> None:
-    """A named claim whose pod ended while the agent was down: the resourceclaim controller clears the pod's
-    reservation and the allocation in one status write, which SG007 refuses, so the claim stays allocated and
-    reserved for the gone pod. A new pod naming it, schedulable nowhere, does not make kube-scheduler's
-    PostFilter clear it (PostFilter clears only claims reserved for nobody or the pending pod): the device
-    stays allocated and fenced until the agent is back, scrubs and attests."""
+    """A named claim whose pod ended while the agent was down: the agent's hold, a consumer the resourceclaim
+    controller keeps, leaves the claim allocated and reserved (the controller drops the ended pod, and attempts
+    no deallocation). A new pod naming it, schedulable nowhere, does not make kube-scheduler's PostFilter clear
+    it (PostFilter clears only claims reserved for nobody or the pending pod): the device stays allocated until
+    the agent is back, scrubs, attests and releases it."""
     ns, next_ns = tenant_namespace(cluster, "postfilter", trusted=True), tenant_namespace(cluster, "pf-next")
     cluster.request(
         "POST", cluster.resource_path("resourceclaims", ns), workloads.resource_claim("named"), user="alice"
@@ -280,10 +282,14 @@ def test_postfilter_does_not_clear_a_claim_held_for_its_scrub(cluster: Cluster) 
     cluster.core("alice").delete_namespaced_pod("first", ns)
     wait_for(lambda: cluster.pod(ns, "first") is None, WAIT_S, "the first pod gone")
     wait_for(
-        lambda: cluster.audit_denials("SG007", namespace=ns, name="named", subResource="status"),
+        lambda: (
+            [r["resource"] for r in (cluster.claim(ns, "named") or {})["status"]["reservedFor"]]
+            == [names.RESERVATION_RESOURCE]
+        ),
         WAIT_S,
-        "the controller's deallocation refused",
+        "the controller dropping the ended pod, the agent's hold kept",
     )
+    assert not cluster.audit_denials("SG007", namespace=ns, name="named", subResource="status"), "nothing refused"
     second = workloads.pod("second", claim="named")
     second["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "no-such-node"}
     cluster.core("alice").create_namespaced_pod(ns, second)
@@ -293,7 +299,7 @@ def test_postfilter_does_not_clear_a_claim_held_for_its_scrub(cluster: Cluster) 
     wait_for(lambda: unschedulable(cluster, next_ns, "next"), WAIT_S, "the next tenant turned away")
     held = cluster.claim(ns, "named") or {}
     assert allocated_device(held) == device, "the claim's dirty device was deallocated"
-    assert [r["name"] for r in held["status"]["reservedFor"]] == ["first"]
+    assert [r["name"] for r in held["status"]["reservedFor"]] == [cluster.node]  # the agent's hold
     assert CANARY.encode() in cluster.gpu_memory(uuid)
     cluster.core("alice").delete_namespaced_pod("second", ns)
     cluster.agent.start()  # scrubs, attests; the controller then deallocates
@@ -336,9 +342,9 @@ def test_with_the_webhook_down_gpu_pods_still_schedule_and_end(cluster: Cluster)
     fpga = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fpga"}, "spec": {"containers": [container]}}
     cluster.core("alice").create_namespaced_pod(ns, fpga)
     claims = cluster.resource_path("resourceclaims", ns)
-    nic = workloads.resource_claim("nic")
-    nic["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "nic.example.com"
-    cluster.request("POST", claims, nic, user="alice")  # another vendor's class: no rule, no webhook
+    channel = workloads.resource_claim("channel")
+    channel["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "imex.nvidia.com"
+    cluster.request("POST", claims, channel, user="alice")  # a class the policy leaves out: no webhook
     status, message = denial(lambda: cluster.request("POST", claims, workloads.resource_claim("gpu"), user="alice"))
     assert status == 500 and "failed calling webhook" in message, message  # a GPU claim waits for its finalizer
     # What a rule decides does: a toleration added to a GPU pod (SG005) is refused while it is down.
