@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from scrubgate.sanitizer_agent.metrics import AgentMetrics, serve
-from scrubgate.webhook.server import VerifiedClientH11Protocol
 from webhook_support import serving
 
 
@@ -30,9 +29,8 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 @pytest.fixture
-def webhook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(VerifiedClientH11Protocol, "read_timeout_s", 0.5)
-    with serving(tmp_path) as running:
+def webhook(tmp_path: Path):
+    with serving(tmp_path, read_timeout_s=0.5) as running:
         yield running
 
 

@@ -32,7 +32,7 @@ def webhook(tmp_path):
 
 
 def metric(webhook, name: str, **labels: str) -> float:
-    text = webhook.http.get("/metrics").text
+    text = webhook.metrics()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
