@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             audit_signing_key=args.audit_signing_key,
             audit_checkpoint_interval=args.audit_checkpoint_interval,
             client_ca=args.client_ca,
-            client_names=tuple(args.client_names or defaults.CLIENT_NAMES),
+            client_names=tuple(args.client_names) if args.client_names else None,
         )
     )
 

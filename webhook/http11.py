@@ -145,9 +145,16 @@ class HTTPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not served")
+            while True:
+                try:
+                    self.parser.feed_data(data)
+                    return
+                except httptools.HttpParserUpgrade as upgrade:
+                    # An Upgrade (h2c) or CONNECT request, answered as any other: a server may ignore the header
+                    # (RFC 9110, 7.8). The parser stopped where it thought the new protocol begins: read on.
+                    data = data[upgrade.args[0] :]
+                    if not data:
+                        return
         except httptools.HttpParserError as exc:
             refused = exc.__context__ if isinstance(exc.__context__, _Refused) else None
             if refused is not None:

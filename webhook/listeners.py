@@ -137,7 +137,8 @@ class TLSListener:
                 ssl_handshake_timeout=self.handshake_timeout_s,
             )
         except Exception as exc:  # whatever it died of (a timeout, an alert, a reset, shed): the caller is gone
-            self.pending.closed("handshake")
+            if accepted in self.pending.members:  # not shed (counted as such)
+                self.pending.closed("handshake")
             log.debug("a TLS handshake failed: %s", exc)
             accepted.sock.close()  # a no-op where the transport closed it
         finally:

@@ -181,7 +181,7 @@ class Settings:
     audit_signing_key: Path | None = None
     audit_checkpoint_interval: float = defaults.AUDIT_CHECKPOINT_INTERVAL
     client_ca: Path | None = None
-    client_names: tuple[str, ...] = defaults.CLIENT_NAMES
+    client_names: tuple[str, ...] | None = None  # None: defaults.CLIENT_NAMES
     watch_interval: float = 2.0
 
 
@@ -190,13 +190,13 @@ def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
     AuditLogError or ValueError with a message for the operator."""
     metrics = Metrics()
     policy = PolicySource(settings.policy, metrics)
-    if settings.client_names != defaults.CLIENT_NAMES and settings.client_ca is None:
+    if settings.client_names is not None and settings.client_ca is None:
         raise ValueError("--client-name names the API server's client certificate of --client-ca; give --client-ca")
     tls = ServingTLS(
         settings.tls_cert,
         settings.tls_key,
         client_ca=settings.client_ca,
-        client_names=settings.client_names,
+        client_names=settings.client_names or defaults.CLIENT_NAMES,
         metrics=metrics,
     )
     audit = None
@@ -249,7 +249,7 @@ def serve(settings: Settings) -> int:
         extra={
             "audit_log": str(settings.audit_log) if settings.audit_log else None,
             "client_ca": str(settings.client_ca) if settings.client_ca else None,
-            "client_names": sorted(settings.client_names) if settings.client_ca else None,
+            "client_names": sorted(state.tls.client_names) if settings.client_ca else None,
         },
     )
     if settings.client_ca is None:
