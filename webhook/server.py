@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -93,9 +94,11 @@ class WebhookServer:
             runner.run(self.serve(signals=signals))
 
     def stop(self) -> None:
-        """From any thread."""
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
+        """From any thread; nothing once stopped."""
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: stopped
+                loop.call_soon_threadsafe(stopping.set)
 
     async def serve(self, *, signals: bool = False) -> None:
         loop = asyncio.get_running_loop()
@@ -137,6 +140,7 @@ class WebhookServer:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            self._loop = self._stopping = None
 
 
 async def _drain(connections: list[HTTPConnection]) -> None:
