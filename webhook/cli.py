@@ -1,5 +1,5 @@
 """`scrubgate webhook` and `scrubgate audit verify`. Argument setup imports nothing heavy, so that
-`scrubgate check` starts fast; FastAPI and uvicorn load only in `run`."""
+`scrubgate check` starts fast; the server (uvloop, httptools) loads only in `run`."""
 
 from __future__ import annotations
 

@@ -101,7 +101,9 @@ class HTTPConnection(asyncio.Protocol):
         self.draining = False  # the server stops: close after the answer in progress
         self._queue: deque[_Request] = deque()
         self._busy = False
+        self._task: asyncio.Task[None] | None = None  # the request being served (the loop keeps weak references)
         self._writing_paused = False
+        self._closing = False  # the last answer said `connection: close`
         self._lost = False
         self._disconnected: asyncio.Future[None] | None = None
         self._reset_message()
@@ -144,6 +146,8 @@ class HTTPConnection(asyncio.Protocol):
         return self._busy or bool(self._queue)
 
     def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
         try:
             while True:
                 try:
@@ -164,7 +168,7 @@ class HTTPConnection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answers `status` with `message` and closes: what follows on the connection cannot be parsed."""
-        if self._lost or self.transport is None:
+        if self._lost or self._closing or self.transport is None:
             return
         if self._busy:  # an answer is due first, and this one cannot wait behind it: close without either
             self.abort()
@@ -237,11 +241,11 @@ class HTTPConnection(asyncio.Protocol):
     # -- serving
 
     def _next(self) -> None:
-        if self._busy or self._writing_paused or self._lost or not self._queue:
+        if self._busy or self._writing_paused or self._closing or self._lost or not self._queue:
             return
         request = self._queue.popleft()
         self._busy = True
-        self.loop.create_task(self._serve(request))
+        self._task = self.loop.create_task(self._serve(request))
 
     async def _serve(self, request: _Request) -> None:
         cycle = _Cycle(self, request)
@@ -265,9 +269,11 @@ class HTTPConnection(asyncio.Protocol):
             keep_alive = request.keep_alive and not self.draining
             self._write(cycle.status, cycle.headers, b"" if request.method == "HEAD" else body, keep_alive, len(body))
         self._busy = False
+        self._task = None
         self.served += 1
         if not self._lost:
-            self.idle_since = self.loop.time()
+            self.idle_since = self.loop.time()  # closing, too: a client that reads nothing is aborted in time
+        if not self._lost and not self._closing:
             if self.transport is not None and not self._writing_paused:
                 self.transport.resume_reading()
             self._next()
@@ -317,6 +323,8 @@ class HTTPConnection(asyncio.Protocol):
         head.append(body)
         transport.write(b"".join(head))
         if not keep_alive:
+            self._closing = True
+            self._queue.clear()
             transport.close()
 
     def disconnected(self) -> asyncio.Future[None]:

@@ -144,10 +144,11 @@ class WebhookServer:
 
 
 async def _drain(connections: list[HTTPConnection]) -> None:
-    """Closes idle connections; busy ones close after their answer. Waits for them, at most GRACEFUL_SHUTDOWN_S."""
+    """Closes the connections without a whole request in; the others close after their answer, awaited for at
+    most GRACEFUL_SHUTDOWN_S."""
     for connection in connections:
         connection.draining = True
-        if not connection.busy and not connection.partial:
+        if not connection.busy:
             connection.abort()
     busy = [connection.disconnected() for connection in connections if connection.busy]
     if busy:
