@@ -1,19 +1,24 @@
 """Load benchmark of the admission webhook against a no-op endpoint on the same stack.
 
-Starts two servers, one after the other, each in its own process with the same uvicorn + TLS
-settings (one worker, scrubgate.webhook.server.build_server): the real webhook (default policy,
-hash-chained audit log) and a no-op ASGI app that reads the body, decodes nothing and answers
-`allowed`. This process drives both with the same load over loopback: N keep-alive HTTPS
-connections, each sending the next request when the previous answer arrived, a round-robin mix of
+Starts the servers, each in its own process: the real webhook (default policy, hash-chained audit log) and a
+no-op ASGI app that reads the body, decodes nothing and answers `allowed`, both on the webhook's own server
+(scrubgate.webhook.server.build_server: uvloop, httptools, TLS with --client-ca, the read deadline), and, with
+`--reference uvicorn`, the same no-op app on uvicorn with uvloop and httptools (the fastest stack uvicorn offers:
+the issue's yardstick). This process drives them with the same load over loopback: N keep-alive HTTPS
+connections, each presenting the API server's client certificate (CN kube-apiserver) and sending the next request
+when the previous answer arrived, a round-robin mix of
 
   Pod CREATE -> /mutate (default grace period patch)      Pod CREATE -> /validate
   ResourceClaim CREATE (generated) -> /mutate (finalizer)  ResourceClaim CREATE -> /validate
   ResourceClaim UPDATE (allocation written) -> /validate
 
-and prints requests/s and p50/p99/p99.9 latency of each, and the ratios. Both servers run at once
-and the measured rounds alternate between them, so that other load on the machine falls on both alike.
+(`--path /validate`: the three /validate requests only), and prints requests/s, p50/p99/p99.9 latency and the CPU
+time each server process spent per request: user + system time from /proc/PID/stat, read before and after each
+measured round, divided by the requests of the round (the load generator runs in this process, not theirs). The
+servers' rounds alternate, so that other load on the machine falls on all alike.
 
-    .venv/bin/python bench/webhook_load.py [--connections 32] [--requests 8000] [--record]
+    .venv/bin/python bench/webhook_load.py [--connections 32] [--requests 8000] [--path /validate]
+        [--reference uvicorn] [--record]
 
 `--record` appends the table, the machine and the command to bench/RESULTS.md ("Webhook load").
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -37,8 +43,10 @@ from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))  # devcluster (its client certificates) is a harness, not a package
 RESULTS = BENCH_DIR / "RESULTS.md"
 HEADING = "## Webhook load"
+SERVICE = "scrubgate-webhook.scrubgate-system.svc"
 
 
 # -- the servers (child processes) ---------------------------------------------------------------------
@@ -48,7 +56,7 @@ NOOP_BODY = b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","resp
 
 async def noop_app(scope: dict, receive: Any, send: Any) -> None:
     """Answers `allowed` to everything; reads the body so that the transfer costs the same."""
-    if scope["type"] == "lifespan":
+    if scope["type"] == "lifespan":  # uvicorn's
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
@@ -66,19 +74,80 @@ async def noop_app(scope: dict, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": NOOP_BODY})
 
 
+def _announce(port_file: Path, port: int, stack: str) -> None:
+    """The port and the stack the server runs on, written whole, then renamed: the parent polls for the file."""
+    partial = port_file.with_suffix(".partial")
+    partial.write_text(json.dumps({"port": port, "stack": stack}))
+    partial.replace(port_file)
+
+
 def serve(kind: str, workdir: Path, port_file: Path) -> None:
     import logging
 
-    from scrubgate.webhook.app import create_app
+    import uvloop
+    from scrubgate.webhook.app import create_app, create_metrics_app
     from scrubgate.webhook.server import Settings, build, build_server, configure_logging
 
+    if kind == "uvicorn":
+        serve_uvicorn(workdir, port_file)
+        return
     configure_logging(logging.WARNING)
     settings = Settings(
-        tls_cert=workdir / "tls.crt", tls_key=workdir / "tls.key", audit_log=workdir / f"audit-{os.getpid()}.jsonl"
+        tls_cert=workdir / "tls.crt",
+        tls_key=workdir / "tls.key",
+        client_ca=workdir / "client-ca.crt",
+        audit_log=workdir / f"audit-{os.getpid()}.jsonl",
     )
     state, audit = build(settings)
     app = create_app(state) if kind == "scrubgate" else noop_app
-    server = build_server(app, state.tls.context, "127.0.0.1", 0)
+    server = build_server(state, app, create_metrics_app(state), ("127.0.0.1", 0, 0))
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(signals=True))
+        while not server.started.is_set():
+            if task.done():
+                task.result()
+                raise SystemExit("server did not start")
+            await asyncio.sleep(0.01)
+        import httptools
+
+        stack = (
+            f"{type(server).__name__} (scrubgate.webhook: httptools {httptools.__version__}) on "
+            f"{type(asyncio.get_running_loop()).__module__.split('.')[0]}, TLS with --client-ca"
+        )
+        _announce(port_file, server.ports[0], stack)
+        await task
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    finally:
+        if audit is not None:
+            audit.close()
+
+
+def serve_uvicorn(workdir: Path, port_file: Path) -> None:
+    """The no-op app on uvicorn with uvloop and httptools, TLS asking for the same client certificate."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise SystemExit("--reference uvicorn needs uvicorn: pip install 'uvicorn[standard]'") from None
+    config = uvicorn.Config(
+        noop_app,
+        host="127.0.0.1",
+        port=0,
+        loop="uvloop",
+        http="httptools",
+        ssl_certfile=str(workdir / "tls.crt"),
+        ssl_keyfile=str(workdir / "tls.key"),
+        ssl_ca_certs=str(workdir / "client-ca.crt"),
+        ssl_cert_reqs=ssl.CERT_OPTIONAL,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())
@@ -87,35 +156,20 @@ def serve(kind: str, workdir: Path, port_file: Path) -> None:
                 task.result()
                 raise SystemExit("server did not start")
             await asyncio.sleep(0.01)
-        # The port, and the settings uvicorn really runs with, so that the report can show both servers
-        # run alike. Written whole, then renamed: the parent polls for the file.
-        config = server.config
-        started = {
-            "port": server.servers[0].sockets[0].getsockname()[1],
-            "uvicorn": {
-                "http": config.http_protocol_class.__name__,
-                "http implementation": next(
-                    c.__module__ for c in config.http_protocol_class.__mro__ if c.__module__.startswith("uvicorn.")
-                ),
-                "loop": type(asyncio.get_running_loop()).__name__,
-                "app wrapper": type(config.loaded_app).__name__,
-                "workers": config.workers,
-                "access_log": config.access_log,
-                "tls": config.ssl is not None,
-            },
-        }
-        partial = port_file.with_suffix(".partial")
-        partial.write_text(json.dumps(started))
-        partial.replace(port_file)
+        stack = (
+            f"uvicorn {uvicorn.__version__}, {config.http_protocol_class.__name__} on "
+            f"{type(asyncio.get_running_loop()).__module__.split('.')[0]}, TLS with client CA"
+        )
+        _announce(port_file, server.servers[0].sockets[0].getsockname()[1], stack)
         await task
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
-        pass
-    finally:
-        if audit is not None:
-            audit.close()
+    import uvloop
+
+    with (
+        contextlib.suppress(KeyboardInterrupt),  # uvicorn re-raises the SIGINT it shut down on
+        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+    ):
+        runner.run(main())
 
 
 # -- payloads ------------------------------------------------------------------------------------------
@@ -191,7 +245,12 @@ def _review(obj: dict, operation: str, group: str, resource: str, old: dict | No
     }
 
 
-def payloads() -> list[tuple[str, bytes]]:
+def payloads(path: str | None = None) -> list[tuple[str, bytes]]:
+    """The mix, or its requests to `path` only."""
+    return [(p, body) for p, body in _mix() if path is None or p == path]
+
+
+def _mix() -> list[tuple[str, bytes]]:
     pod_no_grace = copy.deepcopy(GPU_POD)
     pod = copy.deepcopy(GPU_POD)
     pod["spec"]["terminationGracePeriodSeconds"] = 60
@@ -252,17 +311,16 @@ class Load:
     """`connections` keep-alive HTTPS connections to one server, each sending its next request when
     the previous answer has arrived. Opened once, so that rounds measure requests, not handshakes."""
 
-    def __init__(self, port: int, ca: Path, connections: int) -> None:
+    def __init__(self, port: int, certs: Path, connections: int, path: str | None) -> None:
         self.port, self.connections = port, connections
-        self.context = ssl.create_default_context(cafile=str(ca))
-        self.work = [_request(path, body) for path, body in payloads()]
+        self.context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        self.context.load_cert_chain(certs / "apiserver.crt", certs / "apiserver.key")
+        self.work = [_request(path, body) for path, body in payloads(path)]
         self.streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def open(self) -> None:
         self.streams = [
-            await asyncio.open_connection(
-                "127.0.0.1", self.port, ssl=self.context, server_hostname="scrubgate-webhook.scrubgate-system.svc"
-            )
+            await asyncio.open_connection("127.0.0.1", self.port, ssl=self.context, server_hostname=SERVICE)
             for _ in range(self.connections)
         ]
 
@@ -304,11 +362,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def interleaved(
-    ports: dict[str, int], pids: dict[str, int], ca: Path, args: argparse.Namespace
+    ports: dict[str, int], pids: dict[str, int], certs: Path, args: argparse.Namespace
 ) -> dict[str, Run]:
-    """Warms both servers up, then alternates rounds between them, so that load from elsewhere on the
-    machine falls on both alike."""
-    loads = {name: Load(port, ca, args.connections) for name, port in ports.items()}
+    """Warms the servers up, then alternates rounds between them, so that load from elsewhere on the
+    machine falls on all alike."""
+    loads = {name: Load(port, certs, args.connections, args.path) for name, port in ports.items()}
     totals = {name: Run([], 0.0, 0) for name in ports}
     try:
         for load in loads.values():
@@ -330,7 +388,7 @@ async def interleaved(
 
 
 def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, dict[str, Any]]:
-    """Starts one server process; returns it and what it reported: its port and its uvicorn settings."""
+    """Starts one server process; returns it and what it reported: its port and its stack."""
     port_file = workdir / f"{kind}.port"
     port_file.unlink(missing_ok=True)
     process = subprocess.Popen(
@@ -354,13 +412,20 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def describe_uvicorn(settings: dict[str, Any]) -> str:
-    return (
-        f"uvicorn {settings['workers']} worker, {settings['http']} ({settings['http implementation']}) on "
-        f"{settings['loop']}, app wrapped in "
-        f"{settings['app wrapper']}, access log {'on' if settings['access_log'] else 'off'}, "
-        f"TLS {'on' if settings['tls'] else 'off'}"
-    )
+def write_certs(workdir: Path) -> None:
+    """The serving pair and its CA (tls.crt, tls.key, ca.crt), and the API server's client certificate
+    (apiserver.crt/.key, CN kube-apiserver) of its own CA (client-ca.crt), as devcluster makes them."""
+    from scrubgate.certs.generate import generate_ca, issue_serving_cert, write_tls_dir
+
+    from devcluster.pki import issue_client_cert
+
+    ca = generate_ca()
+    write_tls_dir(workdir, ca, issue_serving_cert(ca, [SERVICE]))
+    client_ca = generate_ca("scrubgate-apiserver-client-ca")
+    (workdir / "client-ca.crt").write_bytes(client_ca.cert_pem)
+    client = issue_client_cert(client_ca, "kube-apiserver")
+    (workdir / "apiserver.crt").write_bytes(client.cert_pem)
+    (workdir / "apiserver.key").write_bytes(client.key_pem)
 
 
 def machine() -> str:
@@ -372,42 +437,55 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} CPUs visible, Linux {platform.release()}, Python {platform.python_version()}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{model}, {os.cpu_count()} CPUs visible, Linux {platform.release()}, Python {platform.python_version()}, "
+        f"load average {load}"
+    )
 
 
-def table(noop: Run, real: Run) -> str:
+LABELS = {"noop": "no-op", "scrubgate": "scrubgate", "uvicorn": "no-op on uvicorn"}
+
+
+def table(runs: dict[str, Run]) -> str:
     ms = 1000.0
+    real = runs["scrubgate"]
+    references = [kind for kind in runs if kind != "scrubgate"]
+
+    def row(label: str, value: Any, fmt: str) -> list[str]:
+        cells = [fmt.format(value(runs[kind])) for kind in runs]
+        ratios = [f"{value(real) / value(runs[kind]):.2f}" for kind in references]
+        return [label, *cells, *ratios]
+
     rows = [
-        ("requests/s", f"{noop.rps:.0f}", f"{real.rps:.0f}", f"{real.rps / noop.rps:.2f}"),
-        *(
-            (
-                label,
-                f"{noop.percentile(q) * ms:.2f}",
-                f"{real.percentile(q) * ms:.2f}",
-                f"{real.percentile(q) / noop.percentile(q):.2f}",
-            )
-            for label, q in (("p50 ms", 0.50), ("p99 ms", 0.99), ("p99.9 ms", 0.999))
-        ),
-        (
-            "server CPU µs/request",
-            f"{noop.cpu_per_request_us:.0f}",
-            f"{real.cpu_per_request_us:.0f}",
-            f"{real.cpu_per_request_us / noop.cpu_per_request_us:.2f}",
-        ),
-        ("requests (errors)", f"{len(noop.latencies)} ({noop.errors})", f"{len(real.latencies)} ({real.errors})", ""),
+        row("requests/s", lambda r: r.rps, "{:.0f}"),
+        *(row(label, lambda r, q=q: r.percentile(q) * ms, "{:.2f}") for label, q in PERCENTILES),
+        row("server CPU ms/request", lambda r: r.cpu_per_request_us / 1000, "{:.3f}"),
+        ["requests (errors)", *(f"{len(r.latencies)} ({r.errors})" for r in runs.values()), *("" for _ in references)],
     ]
-    lines = ["| metric | no-op | scrubgate | scrubgate / no-op |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {' | '.join(row)} |" for row in rows]
+    header = ["metric", *(LABELS[kind] for kind in runs), *(f"scrubgate / {LABELS[kind]}" for kind in references)]
+    lines = [f"| {' | '.join(header)} |", "| --- |" + " ---: |" * (len(header) - 1)]
+    lines += [f"| {' | '.join(cells)} |" for cells in rows]
     return "\n".join(lines)
 
 
-def verdict(noop: Run, real: Run) -> str:
-    p99 = real.percentile(0.99) / noop.percentile(0.99)
-    rps = real.rps / noop.rps
-    return (
-        f"goal p99 <= 1.5x no-op: {p99:.2f}x ({'met' if p99 <= 1.5 else 'NOT met'}); "
-        f"goal throughput >= 70% of no-op: {rps:.0%} ({'met' if rps >= 0.7 else 'NOT met'})"
-    )
+PERCENTILES = (("p50 ms", 0.50), ("p99 ms", 0.99), ("p99.9 ms", 0.999))
+
+
+def verdict(runs: dict[str, Run]) -> str:
+    """The goal of issue 31: the webhook's CPU per request at most twice a Go controller-runtime webhook's (0.06 ms
+    there, where a no-op on uvicorn with uvloop and httptools took 0.05 ms: `--reference uvicorn` shows that ratio
+    here). The old goals relative to the no-op (p99 <= 1.5x, throughput >= 70%) were set when the no-op ran on
+    uvicorn's h11 stack at 0.13-0.17 ms a request; the no-op now costs a fifth of that, so they compare the
+    webhook's own work to almost nothing and are shown as ratios only."""
+    real = runs["scrubgate"]
+    cpu = real.cpu_per_request_us / 1000
+    met = "met" if cpu <= 0.12 else "NOT met"
+    line = f"webhook CPU per request {cpu:.3f} ms (goal <= 0.12 ms, twice a Go controller-runtime webhook's: {met})"
+    if "uvicorn" in runs:
+        ratio = real.cpu_per_request_us / runs["uvicorn"].cpu_per_request_us
+        line += f"; {ratio:.2f}x the no-op on uvicorn (the issue's machine: 0.12 / 0.05 = 2.4x at the goal)"
+    return line + f"; {real.rps:.0f} requests/s, p99 {real.percentile(0.99) * 1000:.2f} ms"
 
 
 def record(text: str) -> None:
@@ -430,8 +508,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=8, help="alternating measured rounds per server")
     parser.add_argument("--limit-seconds", type=float, default=120.0, help="cap on the measured time per server")
+    parser.add_argument("--path", choices=["/validate", "/mutate"], help="only the mix's requests to this path")
+    parser.add_argument(
+        "--reference", choices=["uvicorn"], help="also the no-op app on uvicorn with uvloop and httptools"
+    )
     parser.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
-    parser.add_argument("--serve", choices=["scrubgate", "noop"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["scrubgate", "noop", "uvicorn"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -439,42 +521,43 @@ def main() -> int:
         serve(args.serve, args.workdir, args.port_file)
         return 0
 
-    from scrubgate.certs.generate import generate_ca, issue_serving_cert, write_tls_dir
-
+    kinds = ["noop", "scrubgate", *([args.reference] if args.reference else [])]
     with tempfile.TemporaryDirectory(prefix="scrubgate-bench-") as tmp:
         workdir = Path(tmp)
-        ca = generate_ca()
-        files = write_tls_dir(workdir, ca, issue_serving_cert(ca, ["scrubgate-webhook.scrubgate-system.svc"]))
-        servers = {kind: start_server(kind, workdir) for kind in ("noop", "scrubgate")}
+        write_certs(workdir)
+        servers: dict[str, tuple[subprocess.Popen, dict[str, Any]]] = {}
         try:
-            settings = {kind: started["uvicorn"] for kind, (_, started) in servers.items()}
-            if settings["noop"] != settings["scrubgate"]:
-                raise SystemExit(f"the two servers run with different uvicorn settings, no fair comparison: {settings}")
+            for kind in kinds:
+                servers[kind] = start_server(kind, workdir)
+            stacks = {kind: started["stack"] for kind, (_, started) in servers.items()}
+            if stacks["noop"] != stacks["scrubgate"]:
+                raise SystemExit(f"the no-op and the webhook run on different stacks, no fair comparison: {stacks}")
             ports = {kind: started["port"] for kind, (_, started) in servers.items()}
             pids = {kind: process.pid for kind, (process, _) in servers.items()}
-            runs = asyncio.run(interleaved(ports, pids, files.ca_cert, args))
+            runs = asyncio.run(interleaved(ports, pids, workdir, args))
         finally:
             for process, _ in servers.values():
                 stop_server(process)
-    noop, real = runs["noop"], runs["scrubgate"]
     command = "python bench/webhook_load.py " + " ".join(a for a in sys.argv[1:] if a != "--record")
+    mix = f"the mix's {args.path} requests" if args.path else "the five-request mix"
     report = "\n".join(
         [
-            f"{time.strftime('%Y-%m-%d')}, {args.connections} connections, {len(real.latencies)} measured requests per "
-            f"server in {args.rounds} alternating rounds after {args.warmup} warm-up, TLS 1.3, loopback, load "
-            "generator in its own process.",
-            f"Both servers: {describe_uvicorn(settings['noop'])}.",
+            f"{time.strftime('%Y-%m-%d')}, {mix}, {args.connections} connections with the API server's client "
+            f"certificate, {len(runs['scrubgate'].latencies)} measured requests per server in {args.rounds} "
+            f"alternating rounds after {args.warmup} warm-up, TLS 1.3, loopback, load generator in its own process.",
+            f"no-op and scrubgate: {stacks['noop']}.",
+            *(f"{LABELS[kind]}: {stacks[kind]}." for kind in kinds[2:]),
             f"Machine: {machine()}. Command: `{command.strip()}`.",
             "",
-            table(noop, real),
+            table(runs),
             "",
-            verdict(noop, real),
+            verdict(runs),
         ]
     )
     print(report)
     if args.record:
         record(report)
-    return 0 if noop.errors == 0 and real.errors == 0 else 1
+    return 0 if all(run.errors == 0 for run in runs.values()) else 1
 
 
 if __name__ == "__main__":

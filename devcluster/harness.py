@@ -350,6 +350,7 @@ class Cluster:
         self._signing_key = Ed25519PrivateKey.generate()
         self.public_keys: dict[str, Ed25519PublicKey] = {KEY_ID: self._signing_key.public_key()}
         self.webhook_port = free_port()
+        self.webhook_metrics_port = free_port()
         self.service_port = 0
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -814,6 +815,7 @@ class Cluster:
             "--audit-checkpoint-interval": 1,
             "--client-ca": p.client_ca,  # as the base's Deployment: only the API server may ask
             "--kubeconfig": p.webhook_kubeconfig,  # its ServiceAccount's token, written once installed
+            "--metrics-port": self.webhook_metrics_port,
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 
@@ -887,6 +889,14 @@ class Cluster:
                 resp = http.client.HTTPResponse(tls)  # type: ignore[arg-type]
                 resp.begin()
                 return resp.status, resp.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as exc:
+            return 0, str(exc)
+
+    def webhook_metrics(self) -> tuple[int, str]:
+        """GET /metrics from the webhook's metrics port (plain HTTP, as Prometheus scrapes it); (0, reason) when
+        it cannot connect."""
+        try:
+            return _http_get(self.webhook_metrics_port, "/metrics")
         except (OSError, http.client.HTTPException) as exc:
             return 0, str(exc)
 

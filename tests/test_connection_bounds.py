@@ -1,6 +1,8 @@
 """Connections cannot pile up: the webhook closes a connection whose request does not arrive in full in time
-(a slow body, or nothing sent at all: opening one needs no client certificate), and the agent's /metrics
-server closes idle connections and serves a bounded number at once (each holds a thread)."""
+(a slow body, or nothing sent at all: opening one needs no client certificate) or whose TLS handshake does not
+finish in time; callers without the API server's client certificate never take the API server's connections
+(issue 28 item 5); the agent's /metrics server closes idle connections and serves a bounded number at once (each
+holds a thread)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
+from scrubgate.policies import names
 from scrubgate.sanitizer_agent.metrics import AgentMetrics, serve
-from scrubgate.webhook.server import VerifiedClientH11Protocol
-from webhook_support import serving
+from scrubgate.webhook import defaults
+from webhook_support import gpu_claim, review, serving, serving_api_server_only
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -30,9 +34,8 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 @pytest.fixture
-def webhook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(VerifiedClientH11Protocol, "read_timeout_s", 0.5)
-    with serving(tmp_path) as running:
+def webhook(tmp_path: Path):
+    with serving(tmp_path, read_timeout_s=0.5) as running:
         yield running
 
 
@@ -48,6 +51,60 @@ def test_the_webhook_closes_a_connection_whose_request_does_not_arrive(webhook, 
         conn.sendall(sent)
         assert closed_within(conn, 5.0), "the connection was left open"
     assert webhook.http.get("/readyz").status_code == 200, "and it still serves"
+
+
+@pytest.fixture
+def guarded(tmp_path: Path):
+    """With --client-ca, as the shipped Deployment runs; handshakes must be done within half a second."""
+    with serving_api_server_only(tmp_path, handshake_timeout_s=0.5) as running:
+        yield running
+
+
+def test_callers_without_the_api_servers_certificate_cannot_take_its_connections(guarded):
+    """More connections without a client certificate than the API server's cap (all done with their handshake),
+    and more that never start one than the handshake budget, all held open: the API server still gets its
+    decision, and a probe its answer (once, ~1,100 such connections made the webhook answer the API server 503)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(defaults.MAX_CONNECTIONS + 100):
+            held.append(tls_connection(guarded))
+        for _ in range(defaults.MAX_PENDING_HANDSHAKES + 50):
+            held.append(socket.create_connection(("127.0.0.1", guarded.port), timeout=5))
+        retain = gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: names.DEALLOCATION_RETAIN})
+        with guarded.client(cert=guarded.api_server_cert) as api_server:
+            response = api_server.post("/validate", json=review(retain))
+        assert response.status_code == 200, response.text
+        assert response.json()["response"]["allowed"] is False, "a decision"
+        with guarded.client() as probe:
+            assert probe.get("/readyz").status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_connection_that_never_finishes_its_handshake_is_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=5) as raw:
+        assert closed_within(raw, 5.0), "a connection without a handshake was left open"
+
+
+def test_the_metrics_port_closes_idle_connections(webhook):
+    with socket.create_connection(("127.0.0.1", webhook.metrics_port), timeout=5) as idle:
+        assert closed_within(idle, 5.0), "an idle connection to the metrics port was left open"
+
+
+def test_held_connections_to_the_metrics_port_do_not_keep_a_scrape_out(tmp_path: Path):
+    with serving(tmp_path) as webhook:  # the read deadline (10 s) does not free them within the test
+        held = [
+            socket.create_connection(("127.0.0.1", webhook.metrics_port), timeout=5)
+            for _ in range(defaults.MAX_METRICS_CONNECTIONS + 4)
+        ]
+        try:
+            # A scrape with a connection of its own while the budget is full: the oldest makes room.
+            scraped = httpx.get(f"http://127.0.0.1:{webhook.metrics_port}/metrics", timeout=5)
+            assert scraped.status_code == 200 and "scrubgate_webhook_connections" in scraped.text
+        finally:
+            for sock in held:
+                sock.close()
 
 
 def test_a_kept_alive_connection_serves_requests_that_arrive_in_time(webhook):

@@ -239,7 +239,7 @@ def wait_observer_watching(cluster: Cluster) -> None:
 
 
 def webhook_counter(cluster: Cluster, name: str) -> float:
-    status, text = cluster.webhook_get("/metrics")
+    status, text = cluster.webhook_metrics()
     assert status == 200, f"webhook /metrics: {status} {text}"
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} "))
 

@@ -51,7 +51,7 @@ def fence_records(cluster: Cluster) -> list[dict]:
 
 def fence_deletions(cluster: Cluster, decision: str) -> float:
     """How many DeviceTaintRule DELETEs the webhook decided so (its metrics): the agent's, too, are asked."""
-    status, text = cluster.webhook_get("/metrics")
+    status, text = cluster.webhook_metrics()
     assert status == 200, text
     labels = ('operation="DELETE"', 'kind="DeviceTaintRule"', f'decision="{decision}"')
     return sum(

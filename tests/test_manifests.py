@@ -144,9 +144,8 @@ def test_webhooks_call_the_service_which_reaches_the_container(docs: list[Doc]):
         ref = hook["clientConfig"]["service"]
         assert (ref["name"], ref["namespace"], ref["port"]) == (names.WEBHOOK_SERVICE, names.SYSTEM_NAMESPACE, 443)
     container = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["containers"][0]
-    (container_port,) = container["ports"]
-    assert port["port"] == 443 and port["targetPort"] == container_port["name"]
-    assert container_port["containerPort"] == 8443
+    container_port = next(p for p in container["ports"] if p["name"] == port["targetPort"])
+    assert port["port"] == 443 and container_port["containerPort"] == 8443
     template_labels = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= template_labels.items()
 
@@ -705,6 +704,7 @@ def test_webhook_deployment(docs: list[Doc]):
         "--tls-cert", "/etc/scrubgate/tls/tls.crt",
         "--tls-key", "/etc/scrubgate/tls/tls.key",
         "--port", "8443",
+        "--metrics-port", "9401",  # /metrics and the probes, never on the admission port
         "--policy", "/etc/scrubgate/policy/policy.yaml",
         "--audit-log", "/var/log/scrubgate/audit.jsonl",
         "--audit-signing-key", "/etc/scrubgate/audit-key/ed25519.pem",  # signed checkpoints by default
@@ -717,7 +717,8 @@ def test_webhook_deployment(docs: list[Doc]):
     assert volume["secret"]["secretName"] == "scrubgate-audit-signing-key"
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
-        assert (get["path"], get["port"], get["scheme"]) == (path, "https", "HTTPS")
+        assert (get["path"], get["port"], get["scheme"]) == (path, "metrics", "HTTP")
+    assert {"name": "metrics", "containerPort": 9401, "protocol": "TCP"} in container["ports"]
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
 
 

@@ -493,7 +493,7 @@ def test_health_readiness_and_metrics(webhook):
     # No API access here: ready, every claim guarded (the DeviceClasses not read).
     assert webhook.http.get("/readyz").json() == {"status": "ready", "deviceClasses": False}
     post_review(webhook, "/validate", review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"})))
-    text = webhook.http.get("/metrics").text
+    text = webhook.metrics()
     assert (
         'scrubgate_admission_requests_total{decision="deny",kind="ResourceClaim",operation="CREATE",webhook="/validate"}'
         in text

@@ -233,7 +233,7 @@ def test_a_tenants_heavy_flood_does_not_hold_up_another_tenants_large_object(tmp
             thread.join(30)
         assert evaluated.index("alice") <= 2, evaluated
         assert len(flood_answers) == 6 and len(alice_answers) == 1
-        assert "scrubgate_webhook_heavy_requests_queued 0.0" in webhook.http.get("/metrics").text
+        assert "scrubgate_webhook_heavy_requests_queued 0.0" in webhook.metrics()
 
 
 @pytest.mark.parametrize("size", [10, 200])

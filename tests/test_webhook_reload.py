@@ -57,8 +57,7 @@ def served_serial(webhook) -> int:
 
 
 def metric(webhook, name: str) -> float:
-    with webhook.client() as client:
-        text = client.get("/metrics").text
+    text = webhook.metrics()
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 

@@ -49,7 +49,7 @@ def webhook(tmp_path):
 
 
 def metric(webhook, name: str, **labels: str) -> float:
-    return metric_in(webhook.http.get("/metrics").text, name, **labels)
+    return metric_in(webhook.metrics(), name, **labels)
 
 
 def metric_in(text: str, name: str, **labels: str) -> float:

@@ -19,11 +19,14 @@ from typing import Any
 import httpx
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from scrubgate.certs.generate import TlsFiles, generate_ca, issue_serving_cert, write_tls_dir
+from scrubgate.certs.generate import KeyPair, TlsFiles, generate_ca, issue_serving_cert, write_tls_dir
 from scrubgate.policies import names
 from scrubgate.policies.attestation import build_payload, public_key_pem, sign
-from scrubgate.webhook.app import create_app
+from scrubgate.webhook.app import create_app, create_metrics_app
+from scrubgate.webhook.http11 import ASGIApp
 from scrubgate.webhook.server import Settings, build, build_server
+
+from devcluster.pki import issue_client_cert
 
 SANS = ["scrubgate-webhook.scrubgate-system.svc", "localhost", "127.0.0.1"]
 
@@ -39,36 +42,54 @@ class RunningWebhook:
     port: int
     ca_file: Path
     state: Any
+    metrics_port: int = 0
 
-    def client(self, **kwargs: Any) -> httpx.Client:
+    # With --client-ca (serving_api_server_only): the API server's client certificate and key.
+    api_server_cert: tuple[Path, Path] | None = None
+
+    def client(self, cert: tuple[Path, Path] | None = None, **kwargs: Any) -> httpx.Client:
+        """A client of the admission port; `cert`: the client certificate and key it presents."""
         context = ssl.create_default_context(cafile=str(self.ca_file))
+        if cert is not None:
+            context.load_cert_chain(*cert)
         return httpx.Client(base_url=self.url, verify=context, timeout=10, **kwargs)
+
+    def metrics(self) -> str:
+        """/metrics, from the metrics port (plain HTTP)."""
+        response = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
 
 
 @contextmanager
-def running_webhook(settings: Settings, ca_file: Path) -> Iterator[RunningWebhook]:
-    """The real app and uvicorn stack with TLS, on an ephemeral loopback port, in a thread."""
+def running_webhook(
+    settings: Settings, ca_file: Path, metrics_app: ASGIApp | None = None, **timeouts: float
+) -> Iterator[RunningWebhook]:
+    """The real apps and server with TLS, on ephemeral loopback ports, in a thread; `timeouts` as build_server's;
+    `metrics_app` in place of the metrics port's (for tests of the server itself)."""
     state, audit = build(settings)
-    server = build_server(create_app(state), state.tls.context, "127.0.0.1", 0)
+    metrics_app = metrics_app or create_metrics_app(state)
+    server = build_server(state, create_app(state), metrics_app, ("127.0.0.1", 0, 0), **timeouts)
     thread = threading.Thread(target=server.run, name="webhook-under-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
-    while not server.started:
+    while not server.started.wait(0.05):
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the webhook under test did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port, metrics_port = server.ports
     try:
-        yield RunningWebhook(f"https://127.0.0.1:{port}", port, ca_file, state)
+        running = RunningWebhook(f"https://127.0.0.1:{port}", port, ca_file, state, metrics_port)
+        running.server = server  # type: ignore[attr-defined]
+        yield running
     finally:
-        server.should_exit = True
-        thread.join(timeout=20)
+        server.stop()
+        thread.join(timeout=30)
         if audit is not None:
             audit.close()
 
 
 @contextmanager
-def serving(directory: Path, policy: dict[str, Any] | None = None) -> Iterator[RunningWebhook]:
+def serving(directory: Path, policy: dict[str, Any] | None = None, **timeouts: float) -> Iterator[RunningWebhook]:
     """A webhook under test with its audit log (`audit_path`) and a client (`http`). `policy` holds the
     PolicyConfig fields to write to its policy file; without it, the shipped default policy applies."""
     tls = make_tls_dir(directory / "tls")
@@ -78,9 +99,43 @@ def serving(directory: Path, policy: dict[str, Any] | None = None) -> Iterator[R
         policy_file.write_text(yaml.safe_dump({"apiVersion": "scrubgate.dev/v1", "kind": "PolicyConfig", **policy}))
     audit_log = directory / "audit" / "audit.jsonl"
     settings = Settings(tls_cert=tls.tls_cert, tls_key=tls.tls_key, policy=policy_file, audit_log=audit_log)
-    with running_webhook(settings, tls.ca_cert) as running, running.client() as client:
+    with running_webhook(settings, tls.ca_cert, **timeouts) as running, running.client() as client:
         running.audit_path = audit_log  # type: ignore[attr-defined]
         running.http = client  # type: ignore[attr-defined]
+        yield running
+
+
+def client_cert(ca: KeyPair, directory: Path, name: str) -> tuple[Path, Path]:
+    """A client certificate of `ca` whose subject CN is `name`, as devcluster gives kube-apiserver its own."""
+    pair = issue_client_cert(ca, name)
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    cert.write_bytes(pair.cert_pem)
+    key.write_bytes(pair.key_pem)
+    return cert, key
+
+
+@contextmanager
+def serving_api_server_only(
+    directory: Path, *, client_names: tuple[str, ...] | None = None, **timeouts: float
+) -> Iterator[RunningWebhook]:
+    """A webhook with --client-ca (and `client_names`, else the default), its audit log (`audit_path`), and
+    `api_server_cert`: a client certificate of that CA for kube-apiserver; `client_ca` signs others."""
+    tls = make_tls_dir(directory / "tls")
+    client_ca = generate_ca("scrubgate-apiserver-client-ca")
+    (directory / "client-ca.crt").write_bytes(client_ca.cert_pem)
+    audit_log = directory / "audit" / "audit.jsonl"
+    settings = Settings(
+        tls_cert=tls.tls_cert,
+        tls_key=tls.tls_key,
+        client_ca=directory / "client-ca.crt",
+        client_names=client_names,
+        audit_log=audit_log,
+    )
+    with running_webhook(settings, tls.ca_cert, **timeouts) as running:
+        running.audit_path = audit_log  # type: ignore[attr-defined]
+        running.client_ca = client_ca  # type: ignore[attr-defined]
+        running.api_server_cert = client_cert(client_ca, directory / "clients", "kube-apiserver")
         yield running
 
 

@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, audit, metrics and readiness around the handlers.
+"""The webhook's ASGI apps: the admission endpoints (decode, decide, audit, measure, answer), the probes, /metrics.
 
 Tenancy without API calls: the API server does not send namespace labels, so the
 ValidatingWebhookConfiguration has two webhooks split by a namespaceSelector on
@@ -9,23 +9,20 @@ calls `/validate`. The path is the only source of trust; `/validate` is multi-te
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Response
 from scrubgate.policies.attestation import rfc3339
 from scrubgate.policies.config import PolicyConfig
 from scrubgate.policies.selectors import UNKNOWN, DeviceClasses
-from starlette.types import Receive, Scope, Send
 
 from . import handlers, responses
 from .defaults import (
@@ -37,11 +34,12 @@ from .defaults import (
 )
 from .fairlane import FairLane, tenant
 from .handlers import Outcome
+from .http11 import Receive, Scope, Send
 from .metrics import CONTENT_TYPE, Metrics
 from .policy_reload import PolicySource
 from .repeats import RepeatedRefusals, refusal_key
 from .review import AdmissionRequest
-from .tls import ServingTLS
+from .tls import CLIENT_VERDICT, ServingTLS
 from .transport import (
     TransportError,
     check_content_type,
@@ -55,9 +53,7 @@ from .transport import (
 log = logging.getLogger(__name__)
 audit_log = logging.getLogger("scrubgate.audit")
 
-JSON = "application/json"
-# Set per TLS connection by server.py when a client certificate verified against --client-ca.
-CLIENT_VERIFIED = "scrubgate_client_verified"
+JSON = b"application/json"
 
 
 class AuditSink(Protocol):
@@ -177,8 +173,11 @@ class AdmissionEndpoint:
         state, metrics, webhook = self.state, self.state.metrics, self.webhook
         started = time.perf_counter()
         try:
-            if state.require_client_cert and not scope.get("state", {}).get(CLIENT_VERIFIED):
-                raise TransportError(403, "a client certificate signed by the configured client CA is required")
+            if state.require_client_cert:
+                # The server's verdict on the connection's client certificate (listeners.py).
+                client = scope.get("state", {}).get(CLIENT_VERDICT)
+                if client is None or not client.allowed:
+                    raise TransportError(403, client.refusal if client else "a client certificate is required")
             headers = dict(scope["headers"])
             check_content_type(headers.get(b"content-type"))
             body = await read_body(headers.get(b"content-length"), receive, state.max_body_bytes)
@@ -289,56 +288,44 @@ class AdmissionEndpoint:
         return outcome
 
 
-class WebhookApp(FastAPI):
-    """FastAPI for the operational endpoints; the admission paths go straight to their AdmissionEndpoint.
-    FastAPI's middleware, request parsing and dependency machinery cost more than the policy itself on
-    that hot path (bench/webhook_load.py); the endpoints answer every error themselves."""
+Page = Callable[[], tuple[int, bytes, bytes]]  # (status, content type, body)
 
-    admission: Mapping[str, AdmissionEndpoint] = {}
+
+async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class WebhookApp:
+    """The ASGI app of one port: admission paths (POST, straight to their AdmissionEndpoint) and pages (GET)."""
+
+    def __init__(self, admission: Mapping[str, AdmissionEndpoint], pages: Mapping[str, Page]) -> None:
+        self.admission, self.pages = admission, pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self.admission.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None:
-            await super().__call__(scope, receive, send)
-        elif scope["method"] != "POST":
-            await send({"type": "http.response.start", "status": 405, "headers": [(b"allow", b"POST")]})
-            await send({"type": "http.response.body", "body": b""})
+        path, method = scope["path"], scope["method"]
+        endpoint = self.admission.get(path)
+        if endpoint is not None:
+            if method == "POST":
+                await endpoint(scope, receive, send)
+            else:
+                await _answer(send, 405, [(b"allow", b"POST")])
+            return
+        page = self.pages.get(path)
+        if page is None:
+            await _answer(send, 404, [(b"content-type", JSON)], b'{"status":"not found"}')
+        elif method not in ("GET", "HEAD"):
+            await _answer(send, 405, [(b"allow", b"GET, HEAD")])
         else:
-            await endpoint(scope, receive, send)
+            status, content_type, body = page()
+            await _answer(send, status, [(b"content-type", content_type)], body)
 
 
-def create_app(state: WebhookState) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        watchers = [
-            asyncio.create_task(state.policy.watch(state.watch_interval)),
-            asyncio.create_task(state.tls.watch(state.watch_interval)),
-        ]
-        try:
-            yield
-        finally:
-            for task in watchers:
-                task.cancel()
-            await asyncio.gather(*watchers, return_exceptions=True)
+def _probes(state: WebhookState) -> dict[str, Page]:
+    def healthz() -> tuple[int, bytes, bytes]:
+        return 200, JSON, b'{"status":"ok"}'
 
-    app = WebhookApp(
-        title="scrubgate admission webhook", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
-    )
-    app.admission = {
-        "/validate": AdmissionEndpoint(state, "/validate", partial(handlers.handle_validate, trusted=False)),
-        "/validate/trusted": AdmissionEndpoint(
-            state, "/validate/trusted", partial(handlers.handle_validate, trusted=True)
-        ),
-        "/mutate": AdmissionEndpoint(state, "/mutate", handlers.handle_mutate),
-    }
-    metrics = state.metrics
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        return Response(b'{"status":"ok"}', media_type=JSON)
-
-    @app.get("/readyz")
-    async def readyz() -> Response:
+    def readyz() -> tuple[int, bytes, bytes]:
         # Policy and certificate are loaded before the server starts (it refuses to start otherwise); what
         # can fail later is the audit writer, without which no deny or warn can be answered.
         problems = []
@@ -347,14 +334,32 @@ def create_app(state: WebhookState) -> FastAPI:
         if not state.audit.ready:
             problems.append("the audit log writer is not running")
         if problems:
-            return Response(json.dumps({"status": "not ready", "problems": problems}), 503, media_type=JSON)
+            return 503, JSON, json.dumps({"status": "not ready", "problems": problems}).encode()
         # Informational, not a readiness condition: before the DeviceClasses are read, every claim is guarded
         # (more, never less), which is better than refusing every guarded write for want of an endpoint.
-        synced = state.classes_synced()
-        return Response(json.dumps({"status": "ready", "deviceClasses": synced}), media_type=JSON)
+        return 200, JSON, json.dumps({"status": "ready", "deviceClasses": state.classes_synced()}).encode()
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    return {"/healthz": healthz, "/readyz": readyz}
 
-    return app
+
+def create_app(state: WebhookState) -> WebhookApp:
+    """The admission port's app: the admission paths, and the probes (for callers without a client certificate,
+    such as `helm test`); not /metrics, which is the metrics port's."""
+    admission = {
+        "/validate": AdmissionEndpoint(state, "/validate", partial(handlers.handle_validate, trusted=False)),
+        "/validate/trusted": AdmissionEndpoint(
+            state, "/validate/trusted", partial(handlers.handle_validate, trusted=True)
+        ),
+        "/mutate": AdmissionEndpoint(state, "/mutate", handlers.handle_mutate),
+    }
+    return WebhookApp(admission, _probes(state))
+
+
+def create_metrics_app(state: WebhookState) -> WebhookApp:
+    """The metrics port's app: /metrics and the probes."""
+    metrics = state.metrics
+
+    def metrics_page() -> tuple[int, bytes, bytes]:
+        return 200, CONTENT_TYPE.encode(), metrics.render()
+
+    return WebhookApp({}, {**_probes(state), "/metrics": metrics_page})

@@ -1,5 +1,5 @@
 """`scrubgate webhook` and `scrubgate audit verify`. Argument setup imports nothing heavy, so that
-`scrubgate check` starts fast; FastAPI and uvicorn load only in `run`."""
+`scrubgate check` starts fast; the server (uvloop, httptools) loads only in `run`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, required=True, help="its private key (PEM); reloaded on change")
     parser.add_argument("--port", type=int, default=defaults.PORT, help=f"HTTPS port (default {defaults.PORT})")
     parser.add_argument("--host", default=defaults.HOST, help=f"address to listen on (default {defaults.HOST})")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.METRICS_PORT,
+        help=f"plain HTTP port of /metrics, /healthz and /readyz (default {defaults.METRICS_PORT}); the admission "
+        "port serves no /metrics",
+    )
     parser.add_argument("--policy", type=Path, help="policy file (default: the shipped policy); reloaded on change")
     parser.add_argument("--audit-log", type=Path, help="hash-chained JSON Lines audit log (default: the process log)")
     parser.add_argument(
@@ -48,7 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--client-ca",
         type=Path,
-        help="CA that signs the API server's client certificate; admission paths then require one",
+        help="CA that signs the API server's client certificate; admission paths then require one, of an "
+        "allowed name (--client-name)",
+    )
+    parser.add_argument(
+        "--client-name",
+        dest="client_names",
+        action="append",
+        metavar="NAME",
+        help="with --client-ca: a subject CN or DNS name the API server's client certificate carries; repeatable "
+        f"(default {', '.join(defaults.CLIENT_NAMES)})",
     )
     parser.add_argument(
         "--kubeconfig",
@@ -67,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
             host=args.host,
             port=args.port,
+            metrics_port=args.metrics_port,
             policy=args.policy,
             audit_log=args.audit_log,
             audit_max_bytes=args.audit_max_bytes,
@@ -75,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             audit_checkpoint_interval=args.audit_checkpoint_interval,
             client_ca=args.client_ca,
             kubeconfig=args.kubeconfig,
+            client_names=tuple(args.client_names) if args.client_names else None,
         )
     )
 

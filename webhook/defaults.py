@@ -22,9 +22,30 @@ MAX_FINDINGS_SHOWN: Final = 20
 REPEAT_WINDOW_S: Final = 3600.0
 REPEAT_KEYS: Final = 8192
 # A request must arrive in full this long after its connection opens or the last answer: a slow body, or a
-# connection that sends nothing (no client certificate needed to open one), would otherwise hold its memory
-# and its slot forever. The API server sends a whole review at once.
+# connection that sends nothing, would otherwise hold its memory and its slot forever. The API server sends a
+# whole review at once.
 REQUEST_READ_TIMEOUT_S: Final = 10.0
-# Connections and requests in flight at once; beyond, new requests get a 503 (the API server retries within its
-# webhook timeout) rather than the replica running out of memory.
+# A TLS handshake must be done this long after the connection was accepted (a handshake takes milliseconds).
+TLS_HANDSHAKE_TIMEOUT_S: Final = 5.0
+# Connections of the API server (a client certificate of --client-ca with an allowed name; every caller without
+# --client-ca) at once; beyond, their requests get a 503 rather than the replica running out of memory.
 MAX_CONNECTIONS: Final = 1000
+# Callers who cannot be told apart from an attacker yet, each in a budget of its own so that they never take the
+# API server's: connections still in their TLS handshake, connections without an allowed client certificate
+# (kubelet probes, `helm test`: they may read /healthz and /readyz), and connections to the metrics port. A full
+# budget closes its oldest connection for a new one: a real client is done in milliseconds, so holding the budget
+# takes a new connection every few milliseconds, not a slow trickle.
+MAX_PENDING_HANDSHAKES: Final = 256
+MAX_UNVERIFIED_CONNECTIONS: Final = 16
+MAX_METRICS_CONNECTIONS: Final = 16
+# The request line and headers of one request, at most (the API server sends a few hundred bytes).
+MAX_HEADER_BYTES: Final = 64 * 1024
+# Plain HTTP: /metrics, /healthz and /readyz; never on the admission port, so that scrapes need no TLS client
+# certificate and take none of the API server's connections.
+METRICS_PORT: Final = 9401
+# Seconds a stopping webhook waits for the answers under way (the Deployment's grace period is 30 s, 5 of them
+# preStop).
+GRACEFUL_SHUTDOWN_S: Final = 20.0
+# The names (subject CN or a DNS SAN) an --client-ca certificate must carry to be the API server's: the CN the
+# README's and devcluster's client certificate for webhooks carry. Another certificate of the same CA is refused.
+CLIENT_NAMES: Final = ("kube-apiserver",)

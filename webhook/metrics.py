@@ -151,6 +151,22 @@ class Metrics:
             "them).",
             registry=r,
         )
+        self.connections = Gauge(
+            "scrubgate_webhook_connections",
+            "Open connections by budget: handshake (TLS handshake under way), apiserver (a client certificate of "
+            "--client-ca with an allowed name, or every caller without --client-ca), unverified (probes, anyone "
+            "else), metrics (the metrics port).",
+            ["budget"],
+            registry=r,
+        )
+        self.connections_closed = Counter(
+            "scrubgate_webhook_connections_closed",
+            "Connections the webhook closed, by budget and reason: shed (the budget was full: its oldest made room "
+            "for a new one), refused (the apiserver budget was full: the new one), handshake (TLS handshake failed "
+            "or timed out), deadline (no whole request in time), idle (kept alive, unused for the read deadline).",
+            ["budget", "reason"],
+            registry=r,
+        )
         self.cert_not_after = Gauge(
             "scrubgate_tls_certificate_not_after_seconds",
             "Expiry of the serving certificate in force, as a Unix time.",

@@ -1,14 +1,15 @@
-"""Runs the webhook: uvicorn, one worker, TLS from ServingTLS, structured JSON logs."""
+"""Runs the webhook: its two ports on one uvloop event loop (listeners.py, http11.py), structured JSON logs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import os
 import signal
-import ssl
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -16,22 +17,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import h11
-import uvicorn
+import uvloop
 from scrubgate.policies.attestation import rfc3339
 from scrubgate.policies.config import PolicyError
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from scrubgate.kubeapi import KubeApi
 
 from . import defaults
-from .app import CLIENT_VERIFIED, LogAuditSink, WebhookState, create_app
+from .app import LogAuditSink, WebhookState, create_app, create_metrics_app
 from .audit import AuditLog, AuditLogError
 from .audit_checkpoints import Checkpointer
 from .device_classes import DeviceClassWatch
+from .http11 import ASGIApp, HTTPConnection, Limits
+from .listeners import PlainListener, TLSListener, enforce_read_deadline
 from .metrics import Metrics
 from .policy_reload import PolicySource
 from .tls import ServingTLS, TLSConfigError
+
+_BACKLOG = 2048
 
 log = logging.getLogger("scrubgate.webhook")
 
@@ -39,7 +42,6 @@ _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)))
     "message",
     "asctime",
     "taskName",
-    "color_message",  # uvicorn's ANSI-coloured duplicate of the message
 }
 
 
@@ -67,72 +69,111 @@ def configure_logging(level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-class VerifiedClientH11Protocol(H11Protocol):
-    """Marks each request of a connection whose client certificate verified against --client-ca (the
-    TLS layer asks for one but lets probes through without); the app requires the mark on admission paths.
-    A request must arrive in full within `read_timeout_s` of the connection's opening or of the last answer,
-    or the connection is closed (slow bodies, connections that send nothing)."""
+class WebhookServer:
+    """The admission port (TLS, listeners.TLSListener) and the metrics port (plain HTTP) on one event loop, with
+    the read deadline, the policy's and the certificate's watchers. `run` serves until `stop`; a stop lets the
+    answers under way go out (for up to GRACEFUL_SHUTDOWN_S), as the API server may be waiting for them."""
 
-    read_timeout_s = defaults.REQUEST_READ_TIMEOUT_S
+    def __init__(
+        self,
+        state: WebhookState,
+        app: ASGIApp,
+        metrics_app: ASGIApp,
+        address: tuple[str, int, int],
+        *,
+        read_timeout_s: float = defaults.REQUEST_READ_TIMEOUT_S,
+        handshake_timeout_s: float = defaults.TLS_HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        self.state, self.app, self.metrics_app = state, app, metrics_app
+        self.host, self.port, self.metrics_port = address
+        self.read_timeout_s, self.handshake_timeout_s = read_timeout_s, handshake_timeout_s
+        self.started = threading.Event()
+        self.ports: tuple[int, int] = (0, 0)  # the admission and the metrics port, once started
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if transport.get_extra_info("peercert"):
-            self.app_state = {**self.app_state, CLIENT_VERIFIED: True}
-        self._read_deadline: asyncio.TimerHandle | None = None
-        self._arm()
+    def run(self, *, signals: bool = False) -> None:
+        """Serves on a uvloop event loop until `stop` (or, with `signals`, SIGTERM or SIGINT)."""
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self.serve(signals=signals))
 
-    def _arm(self) -> None:
-        self._disarm()
-        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._too_slow)
+    def stop(self) -> None:
+        """From any thread; nothing once stopped."""
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: stopped
+                loop.call_soon_threadsafe(stopping.set)
 
-    def _disarm(self) -> None:
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-            self._read_deadline = None
+    async def serve(self, *, signals: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop, self._stopping = loop, asyncio.Event()
+        if signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self._stopping.set)
+        state = self.state
+        limits = Limits(self.read_timeout_s, defaults.MAX_BODY_BYTES, defaults.MAX_HEADER_BYTES)
+        admission = TLSListener(
+            self.app, state.tls, limits, state.metrics, handshake_timeout_s=self.handshake_timeout_s
+        )
+        plain = PlainListener(self.metrics_app, limits, state.metrics)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listening = socket.create_server((self.host, self.port), family=family, backlog=_BACKLOG)
+        listening.setblocking(False)
+        try:
+            metrics_server = await loop.create_server(plain.protocol, self.host, self.metrics_port, backlog=_BACKLOG)
+        except OSError:
+            listening.close()
+            raise
+        budgets = (*admission.budgets, *plain.budgets)
+        background = [
+            loop.create_task(admission.accept(listening)),
+            loop.create_task(enforce_read_deadline(budgets, self.read_timeout_s)),
+            loop.create_task(state.policy.watch(state.watch_interval)),
+            loop.create_task(state.tls.watch(state.watch_interval)),
+        ]
+        self.ports = (listening.getsockname()[1], metrics_server.sockets[0].getsockname()[1])
+        self.started.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            background[0].cancel()
+            listening.close()
+            metrics_server.close()
+            admission.abort_handshakes()
+            await _drain([c for b in budgets for c in b.members if isinstance(c, HTTPConnection)])
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self._loop = self._stopping = None
 
-    def _too_slow(self) -> None:
-        if not self.transport.is_closing():
-            log.warning(
-                "closing a connection from %s: no complete request within %.0fs",
-                (self.client or ("?",))[0],
-                self.read_timeout_s,
-            )
-            self.transport.close()
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
-            self._disarm()  # the request is in: what follows is the answer's, then keep-alive's, time
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
+async def _drain(connections: list[HTTPConnection]) -> None:
+    """Closes the connections without a whole request in; the others close after their answer, awaited for at
+    most GRACEFUL_SHUTDOWN_S."""
+    for connection in connections:
+        connection.draining = True
+        if not connection.busy:
+            connection.abort()
+    busy = [connection.disconnected() for connection in connections if connection.busy]
+    if busy:
+        _, late = await asyncio.wait(busy, timeout=defaults.GRACEFUL_SHUTDOWN_S)
+        if late:
+            log.warning("stopping with %d answers still under way", len(late))
 
 
-def build_server(app: Any, context: ssl.SSLContext, host: str, port: int) -> uvicorn.Server:
-    """uvicorn on one worker with `context`; the benchmark's no-op endpoint uses this same stack."""
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        ssl_context_factory=lambda _config, _default: context,
-        http=VerifiedClientH11Protocol,
-        limit_concurrency=defaults.MAX_CONNECTIONS,
-        workers=1,
-        log_config=None,
-        access_log=False,
-        server_header=False,
-        lifespan="on",
-    )
+def build_server(
+    state: WebhookState,
+    app: ASGIApp,
+    metrics_app: ASGIApp,
+    address: tuple[str, int, int],
+    **timeouts: float,
+) -> WebhookServer:
+    """The server of `app` (the admission port) and `metrics_app` (the metrics port) at (host, port,
+    metrics_port); the benchmark's no-op endpoint uses this same stack."""
     # Everything alive now (modules, policy, app) is permanent: keep the collector from rescanning it
     # under load, which shows in the latency tail.
     gc.freeze()
-    return uvicorn.Server(config)
+    return WebhookServer(state, app, metrics_app, address, **timeouts)
 
 
 @dataclass(frozen=True)
@@ -141,6 +182,7 @@ class Settings:
     tls_key: Path
     host: str = defaults.HOST
     port: int = defaults.PORT
+    metrics_port: int = defaults.METRICS_PORT
     policy: Path | None = None
     audit_log: Path | None = None
     audit_max_bytes: int = defaults.AUDIT_MAX_BYTES
@@ -148,6 +190,7 @@ class Settings:
     audit_signing_key: Path | None = None
     audit_checkpoint_interval: float = defaults.AUDIT_CHECKPOINT_INTERVAL
     client_ca: Path | None = None
+    client_names: tuple[str, ...] | None = None  # None: defaults.CLIENT_NAMES
     watch_interval: float = 2.0
     # Where the DeviceClass watch reaches the API server: a kubeconfig, else (in a pod) the ServiceAccount; None
     # outside a pod without one: no watch, every claim guarded.
@@ -159,7 +202,15 @@ def build(settings: Settings) -> tuple[WebhookState, AuditLog | None]:
     AuditLogError or ValueError with a message for the operator."""
     metrics = Metrics()
     policy = PolicySource(settings.policy, metrics)
-    tls = ServingTLS(settings.tls_cert, settings.tls_key, client_ca=settings.client_ca, metrics=metrics)
+    if settings.client_names is not None and settings.client_ca is None:
+        raise ValueError("--client-name names the API server's client certificate of --client-ca; give --client-ca")
+    tls = ServingTLS(
+        settings.tls_cert,
+        settings.tls_key,
+        client_ca=settings.client_ca,
+        client_names=settings.client_names or defaults.CLIENT_NAMES,
+        metrics=metrics,
+    )
     audit = None
     if settings.audit_signing_key is not None and settings.audit_log is None:
         raise ValueError("--audit-signing-key signs the chain of --audit-log; give --audit-log as well")
@@ -220,28 +271,34 @@ def serve(settings: Settings) -> int:
     if audit is None:
         log.warning("no --audit-log given: audit records go to this log only, without the hash chain")
     stop_watch = _watch_device_classes(settings, state)
-    server = build_server(create_app(state), state.tls.context, settings.host, settings.port)
+    address = (settings.host, settings.port, settings.metrics_port)
+    server = build_server(state, create_app(state), create_metrics_app(state), address)
     log.info(
-        "serving admission on https://%s:%d (policy %s)",
+        "serving admission on https://%s:%d, metrics and probes on http://%s:%d (policy %s)",
         settings.host,
         settings.port,
+        settings.host,
+        settings.metrics_port,
         state.policy.policy.digest,
-        extra={"audit_log": str(settings.audit_log) if settings.audit_log else None},
+        extra={
+            "audit_log": str(settings.audit_log) if settings.audit_log else None,
+            "client_ca": str(settings.client_ca) if settings.client_ca else None,
+            "client_names": sorted(state.tls.client_names) if settings.client_ca else None,
+        },
     )
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: turn that into a
-    # normal exit so the audit log is closed (its records are already on disk either way).
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if settings.client_ca is None:
+        log.warning(
+            "no --client-ca given: any caller that reaches the admission port gets decisions and shares the API "
+            "server's connections; give the API server a client certificate and the webhook --client-ca"
+        )
     try:
-        server.run()
-    except (KeyboardInterrupt, SystemExit):
-        pass
+        server.run(signals=True)
+    except OSError as exc:  # a port taken, an address not ours
+        log.error("cannot serve on %s: %s", settings.host, exc)
+        return 1
     finally:
         if stop_watch is not None:
             stop_watch.set()
         if audit is not None:
             audit.close()
-    return 0 if server.started else 1
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+    return 0

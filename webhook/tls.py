@@ -14,11 +14,15 @@ import logging
 import os
 import ssl
 import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from . import defaults
 from .metrics import Metrics
 from .policy_reload import file_stamp
 
@@ -27,6 +31,27 @@ log = logging.getLogger(__name__)
 
 class TLSConfigError(ValueError):
     """A certificate/key pair or client CA that cannot serve; the message names the files."""
+
+
+# The ASGI scope's `state` key under which the server puts each connection's ClientVerdict.
+CLIENT_VERDICT = "scrubgate_client"
+
+
+@dataclass(frozen=True)
+class ClientVerdict:
+    """Whether a connection's caller may ask for admission decisions; `refusal` says why not (for its 403 and
+    the log), `subject` names the certificate presented, if any."""
+
+    allowed: bool
+    refusal: str = ""
+    subject: str = ""
+
+
+def certificate_names(peercert: Mapping[str, Any]) -> list[str]:
+    """The subject's common names and the DNS names of a certificate, as ssl's getpeercert() returns it."""
+    names = [value for rdn in peercert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    names += [value for kind, value in peercert.get("subjectAltName", ()) if kind == "DNS"]
+    return names
 
 
 def _check_pair(cert_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path) -> x509.Certificate:
@@ -51,6 +76,7 @@ class ServingTLS:
         key_path: str | Path,
         *,
         client_ca: str | Path | None = None,
+        client_names: Sequence[str] = defaults.CLIENT_NAMES,
         metrics: Metrics | None = None,
     ) -> None:
         """Loads the pair; raises TLSConfigError when it cannot, so the webhook never starts without one."""
@@ -59,9 +85,13 @@ class ServingTLS:
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self.client_ca = Path(client_ca) if client_ca is not None else None
+        self.client_names = frozenset(client_names)
+        if not self.client_names:
+            raise TLSConfigError("no client name given: the API server's client certificate could never be accepted")
         if self.client_ca is not None:
             # Optional at the TLS layer so that kubelet probes (no client certificate) reach /healthz and
-            # /readyz; a presented certificate must verify, and the admission paths require one.
+            # /readyz, and a certificate of the right CA but another name gets a 403 saying so; a presented
+            # certificate must verify (OpenSSL also requires it be for client authentication).
             self.context.verify_mode = ssl.CERT_OPTIONAL
             try:
                 self.context.load_verify_locations(cafile=str(self.client_ca))
@@ -75,6 +105,26 @@ class ServingTLS:
             raise TLSConfigError(f"cannot read {self.cert_path} and {self.key_path}")
         self._install(pair)
         self._stamp = stamp
+
+    def client_verdict(self, peercert: Mapping[str, Any] | None) -> ClientVerdict:
+        """Whether the caller of a connection whose handshake gave `peercert` (verified against --client-ca by
+        then) is the API server: every caller is, without --client-ca; else its certificate must carry an
+        allowed name (--client-name), as a certificate of a shared CA may belong to someone else."""
+        if self.client_ca is None:
+            return ClientVerdict(True)
+        if not peercert:
+            return ClientVerdict(False, f"a client certificate signed by the CA in {self.client_ca} is required")
+        names = certificate_names(peercert)
+        subject = ", ".join(names) or "(no name)"
+        if self.client_names.intersection(names):
+            return ClientVerdict(True, subject=subject)
+        allowed = ", ".join(sorted(self.client_names))
+        return ClientVerdict(
+            False,
+            f"the client certificate names {subject}, not one of the names allowed to ask for admission decisions "
+            f"({allowed}; --client-name)",
+            subject,
+        )
 
     @property
     def loaded(self) -> bool:
