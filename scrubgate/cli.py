@@ -21,10 +21,8 @@ FORMATS = ("text", "json", "sarif", "junit", "policyreport")
 # is `check` for a pipeline; a command that needs more says which extra to install instead of a traceback.
 EXTRA_OF_MODULE = {
     # the webhook, the agent, and the commands that talk to a cluster (check --cluster, reports, uninstall)
-    "fastapi": "server",
-    "starlette": "server",
-    "uvicorn": "server",
-    "h11": "server",
+    "httptools": "server",
+    "uvloop": "server",
     "prometheus_client": "server",
     "kubernetes": "server",
     "urllib3": "server",
