@@ -826,8 +826,9 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
     api = FakeApi()
     webhook(api)
     api.objects["/api/v1/pods"]["p"] = {"metadata": {"uid": "p"}, "status": {"phase": "Running"}}
-    api.objects["/apis/resource.k8s.io/v1/resourceclaims"]["busy"] = claim("busy", reserved=("p",))
+    api.objects["/apis/resource.k8s.io/v1/resourceclaims"]["busy"] = claim("busy", reserved=("p",), held=True)
     assert uninstall(api, "scrubgate-system", 5, sleep=lambda _: None) == 0
+    assert ("PUT", "/apis/resource.k8s.io/v1/namespaces/team/resourceclaims/busy/status") in api.calls
     for method, path in set(api.calls):
         parts = path.strip("/").split("/")
         if len(parts) <= 2:
@@ -837,6 +838,8 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
         namespaced = rest[0] == "namespaces"
         rest = rest[2:] if namespaced else rest
         resource, name = rest[0], rest[1] if len(rest) > 1 else None
+        if len(rest) > 2:
+            resource = f"{resource}/{rest[2]}"  # a subresource: the agent's hold is in the claim's status
         verb = {"GET": "get" if name else "list", "PUT": "update", "DELETE": "delete"}[method]
         rules = [*cluster_rules, *(namespace_rules if namespaced else [])]
         assert any(
