@@ -215,6 +215,8 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
                 "ClusterRoleBinding",
                 "PriorityClass",
                 "CustomResourceDefinition",
+                "FlowSchema",
+                "PriorityLevelConfiguration",
             ) and not doc["kind"].endswith("WebhookConfiguration"):
                 assert doc["metadata"]["namespace"] == namespace, doc["metadata"]
         for hook in webhooks(docs):
@@ -224,6 +226,14 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
                     assert namespace in expression["values"]
         subjects = [s for d in docs if d["kind"].endswith("RoleBinding") for s in d["subjects"]]
         assert subjects and all(s["namespace"] == namespace for s in subjects if s["kind"] == "ServiceAccount")
+        flows = [
+            s["serviceAccount"]
+            for d in docs
+            if d["kind"] == "FlowSchema"
+            for r in d["spec"]["rules"]
+            for s in r["subjects"]
+        ]
+        assert flows and all(s["namespace"] == namespace for s in flows)
         policy = yaml.safe_load(one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"])
         assert policy["agent"]["identities"] == [f"system:serviceaccount:{namespace}:scrubgate-agent"]
         # The certificate is made in the cluster for the Service in this namespace (test_chart_lifecycle.py).
@@ -867,3 +877,15 @@ def test_the_webhooks_are_sent_the_claims_of_the_policys_gpu_classes(helm: str):
     for hook in webhooks(docs):
         (condition,) = [c for c in hook["matchConditions"] if c["name"] == "claim-requests-a-gpu-class"]
         assert "[r'^.*$']" in condition["expression"], hook["name"]
+
+
+def test_the_agents_and_the_webhook_have_their_priority_level(default: list[Doc]):
+    """API Priority and Fairness: the base's FlowSchema and PriorityLevelConfiguration (manifests/flowcontrol.yaml,
+    tests/test_flowcontrol.py) are cluster-scoped objects of the chart, naming the release's ServiceAccounts."""
+    schema = one(default, "FlowSchema", "scrubgate")
+    level = one(default, "PriorityLevelConfiguration", schema["spec"]["priorityLevelConfiguration"]["name"])
+    assert "namespace" not in schema["metadata"] and "namespace" not in level["metadata"]
+    accounts = {s["serviceAccount"]["name"] for r in schema["spec"]["rules"] for s in r["subjects"]}
+    agent = one(default, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["serviceAccountName"]
+    webhook = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert accounts == {agent, webhook}
