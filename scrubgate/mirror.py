@@ -116,6 +116,10 @@ class Mirror:
     def path_of(self, kind_name: str) -> str | None:
         return next((path for path, (kind, _) in self.kinds.items() if kind.kind == kind_name), None)
 
-    def __len__(self) -> int:
+    def count(self, path: str | None = None) -> int:
+        """How many objects are held (of the list at `path`)."""
         with self._lock:
-            return sum(len(held) for held in self._objects.values())
+            return sum(len(held) for p, held in self._objects.items() if path in (None, p))
+
+    def __len__(self) -> int:
+        return self.count()

@@ -43,11 +43,13 @@ class Claims(Mapping[tuple[str, str], dict[str, Any]]):
     def __iter__(self) -> Iterator[tuple[str, str]]:
         return (key for _, key in (self.mirror.refs(self.path) if self.path else []))
 
-    def __len__(self) -> int:
-        return len(self.mirror.refs(self.path)) if self.path else 0
+    def __len__(self) -> int:  # `validate` asks it (`claims or {}`) for each claim a pod names
+        return self.mirror.count(self.path) if self.path else 0
 
 
 class Rechecks:
+    """Each object's findings, from one run to the next over the same mirror (`run`: one round)."""
+
     def __init__(self) -> None:
         self.policy: PolicyConfig | None = None
         self.trusted: set[str] = set()
