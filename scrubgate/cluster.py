@@ -10,7 +10,7 @@ The API is reached through `kubeapi.KubeApi`; tests give a fake with the same `r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from scrubgate.policies.config import PolicyConfig
 from scrubgate.policies.names import SYSTEM_NAMESPACE
 
 from .check import CheckResult, check_documents
-from .kubeapi import DRA_GROUP, PAGE_SIZE, Api, ApiError, KubeApi, dra_version, list_all
+from .kubeapi import DRA_GROUP, PAGE_SIZE, Api, ApiError, KubeApi, dra_version, list_all, pages
 from .sources import Document
 
 __all__ = ["DRA_GROUP", "Api", "ApiError", "KubeApi", "dra_version", "list_all"]  # imported from here too
@@ -64,13 +64,18 @@ CHECKED_KINDS = (
 class Snapshot:
     """What one scan read: the objects (with their Kind), the list resourceVersions, and notes."""
 
-    objects: list[tuple[Kind, dict[str, Any]]] = field(default_factory=list)
+    objects: list[tuple[Kind, Any]] = field(default_factory=list)  # what `keep` made of each object listed
     resource_versions: dict[str, str] = field(default_factory=dict)  # path -> resourceVersion
     notes: list[str] = field(default_factory=list)
     kinds: dict[str, tuple[Kind, str]] = field(default_factory=dict)  # path -> its Kind and apiVersion
 
 
-def read_cluster(api: Api, page_size: int = PAGE_SIZE) -> Snapshot:
+def read_cluster(
+    api: Api, page_size: int = PAGE_SIZE, keep: Callable[[dict[str, Any]], Any] = lambda obj: obj
+) -> Snapshot:
+    """Lists every kind the rules read. `keep` turns each object listed (with its apiVersion and kind) into what
+    the snapshot holds of it, or None to hold nothing, as each page arrives: `scrubgate reports` keeps only what
+    the rules read (slim.py), and holds one page of whole objects at a time."""
     snapshot = Snapshot()
     version = dra_version(api)
     if version is None:
@@ -79,13 +84,15 @@ def read_cluster(api: Api, page_size: int = PAGE_SIZE) -> Snapshot:
         if kind.group == DRA_GROUP and version is None:
             continue
         path = kind.path(version)
-        items, resource_version = list_all(api, path, page_size)
-        snapshot.resource_versions[path] = resource_version
         api_version = f"{kind.group}/{version or kind.version}" if kind.group else kind.version
         snapshot.kinds[path] = (kind, api_version)
-        for item in items:
-            # List items carry no apiVersion and kind; the engine needs both.
-            snapshot.objects.append((kind, {"apiVersion": api_version, "kind": kind.kind, **item}))
+        for page in pages(api, path, page_size):
+            for item in page.get("items") or []:
+                # List items carry no apiVersion and kind; the engine needs both.
+                kept = keep({"apiVersion": api_version, "kind": kind.kind, **item})
+                if kept is not None:
+                    snapshot.objects.append((kind, kept))
+            snapshot.resource_versions[path] = (page.get("metadata") or {}).get("resourceVersion") or ""
     return snapshot
 
 

@@ -103,21 +103,32 @@ def _api_error(what: str, status: int, body: bytes | str | None) -> ApiError:
     return ApiError(f"{what}: HTTP {status}: {str(message).strip()[:300]}{hint}", status)
 
 
-def list_all(
+def pages(
     api: Api, path: str, page_size: int = PAGE_SIZE, query: Mapping[str, str] | None = None
-) -> tuple[list[dict[str, Any]], str]:
-    """Every item under `path` (with `query`, e.g. a labelSelector), a page of `page_size` at a time; and
-    the list's resourceVersion (for a watch from there)."""
-    items: list[dict[str, Any]] = []
+) -> Iterator[dict[str, Any]]:
+    """The list under `path` (with `query`, e.g. a labelSelector), a page of `page_size` items at a time: a
+    caller that keeps only part of each item never holds more than one page in full."""
     token = ""
     while True:
         page_query = {**(query or {}), "limit": str(page_size), **({"continue": token} if token else {})}
         page = api.request("GET", path, page_query)
-        items.extend(page.get("items") or [])
-        meta = page.get("metadata") or {}
-        token = meta.get("continue") or ""
+        yield page
+        token = (page.get("metadata") or {}).get("continue") or ""
         if not token:
-            return items, meta.get("resourceVersion") or ""
+            return
+
+
+def list_all(
+    api: Api, path: str, page_size: int = PAGE_SIZE, query: Mapping[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Every item under `path` (with `query`), in pages; and the list's resourceVersion (for a watch from
+    there)."""
+    items: list[dict[str, Any]] = []
+    version = ""
+    for page in pages(api, path, page_size, query):
+        items.extend(page.get("items") or [])
+        version = (page.get("metadata") or {}).get("resourceVersion") or ""
+    return items, version
 
 
 def dra_version(api: Api) -> str | None:

@@ -4,8 +4,12 @@ Each round runs the engine over the cluster's objects (scrubgate/cluster.py) and
 named `scrubgate` per namespace with findings plus the ClusterPolicyReport `scrubgate`; a namespace whose
 findings are gone loses its report. A result found in an earlier round keeps its timestamp (the time it
 was first found), so an unchanged report is not written again. Every `--interval` a round lists every kind;
-in between, one watch per kind from its list's resourceVersion keeps those objects current (`Mirror`), and
+in between, one watch per kind from its list's resourceVersion keeps those objects current (mirror.py), and
 a change starts a round over them after a short quiet period (a rollout's burst: one round), with no list.
+
+It fits a big cluster: of each object it holds only what the rules read, and only the objects that may matter
+(slim.py: no pod that asks for no device, no managedFields, no status), packed; it checks again only what
+changed (rechecks.py). bench/reports_memory.py measures it with 100,000 pods (bench/RESULTS.md).
 
 Its own Deployment and ServiceAccount (chart: reports.enabled), not the webhook's pod: the webhook has no
 API credentials, and a component that answers the API server should not get list rights on every
@@ -28,8 +32,10 @@ from urllib.parse import quote
 
 from scrubgate.policies.config import PolicyConfig, PolicyError, load_policy
 
-from .cluster import Api, ApiError, KubeApi, Snapshot, check_snapshot, list_all, read_cluster
+from .cluster import Api, ApiError, KubeApi, list_all, read_cluster
+from .mirror import Mirror, entry
 from .policyreport import CLUSTER_SCOPE, MANAGED_BY, REPORT_APIS, REPORT_NAME, WGPOLICY, ReportKinds, build_reports
+from .rechecks import Rechecks
 
 log = logging.getLogger(__name__)
 
@@ -104,68 +110,40 @@ def write_reports(api: Api, reports: Mapping[str, dict[str, Any]], kinds: Report
     return done
 
 
+def list_into(api: Api, mirror: Mirror) -> int:
+    """A full list of every kind into `mirror`; the generation its watches follow."""
+    snapshot = read_cluster(api, keep=entry)
+    for note in snapshot.notes:
+        log.warning("reports: %s", note)
+    return mirror.load(snapshot)
+
+
 def reconcile(
-    api: Api, policy: PolicyConfig, snapshot: Snapshot | None = None, kinds: ReportKinds = WGPOLICY
-) -> tuple[Snapshot, dict[str, str]]:
-    """One round: read (unless given what was read), check, write. The end-to-end tests call it against the
-    real control plane."""
-    if snapshot is None:
-        snapshot = read_cluster(api)
-        for note in snapshot.notes:
-            log.warning("reports: %s", note)
-    return snapshot, write_reports(api, build_reports(check_snapshot(snapshot, policy), kinds=kinds), kinds)
-
-
-class Mirror:
-    """The cluster as the last full list read it, kept current by watch events (ADDED, MODIFIED, DELETED) from
-    each list's resourceVersion, as an informer keeps its cache: a change costs a re-check of what is held,
-    not another list of every kind in the cluster."""
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        self._lock = threading.Lock()
-        self.kinds = dict(snapshot.kinds)
-        self.notes = list(snapshot.notes)
-        self.versions = dict(snapshot.resource_versions)
-        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {path: {} for path in self.kinds}
-        by_kind = {kind: path for path, (kind, _) in self.kinds.items()}
-        for kind, obj in snapshot.objects:
-            self.objects[by_kind[kind]][_key(obj)] = obj
-
-    def apply(self, path: str, event: Mapping[str, Any]) -> bool:
-        """One watch event of `path`; False when the watch cannot go on from here (ERROR: e.g. 410 Gone)."""
-        kind, obj = event.get("type"), event.get("object") or {}
-        if kind == "ERROR":
-            return False
-        with self._lock:
-            version = (obj.get("metadata") or {}).get("resourceVersion")
-            if version:
-                self.versions[path] = version
-            if kind in ("ADDED", "MODIFIED"):
-                plural_kind, api_version = self.kinds[path]
-                self.objects[path][_key(obj)] = {**obj, "apiVersion": api_version, "kind": plural_kind.kind}
-            elif kind == "DELETED":
-                self.objects[path].pop(_key(obj), None)
-        return True
-
-    def snapshot(self) -> Snapshot:
-        with self._lock:
-            return Snapshot(
-                objects=[(self.kinds[path][0], obj) for path, held in self.objects.items() for obj in held.values()],
-                resource_versions=dict(self.versions),
-                notes=list(self.notes),
-                kinds=dict(self.kinds),
-            )
-
-
-def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
-    meta = obj.get("metadata") or {}
-    return meta.get("namespace") or "", meta.get("name") or ""
+    api: Api,
+    policy: PolicyConfig,
+    kinds: ReportKinds = WGPOLICY,
+    mirror: Mirror | None = None,
+    rechecks: Rechecks | None = None,
+) -> tuple[Mirror, dict[str, str]]:
+    """One round: list (unless `mirror` holds the cluster), check what changed since `rechecks` last ran (all of
+    it, without), write. The end-to-end tests call it against the real control plane."""
+    if mirror is None:
+        mirror = Mirror()
+        list_into(api, mirror)
+    result = (rechecks or Rechecks()).run(mirror, policy)
+    return mirror, write_reports(api, build_reports(result, kinds=kinds), kinds)
 
 
 def _follow(
-    api: Api, mirror: Mirror, path: str, timeout_s: int, changed: threading.Event, done: threading.Event
+    api: Api,
+    mirror: Mirror,
+    generation: int,
+    path: str,
+    timeout_s: int,
+    changed: threading.Event,
+    done: threading.Event,
 ) -> None:
-    """Watches `path` into `mirror` until `done` (a new list, or stop); sets `changed` on each change, and `done`
+    """Watches `path` into `mirror` until `done` (a new list, or stop); sets `changed` on each event, and `done`
     itself (with `changed`) when only a new list can go on (410 Gone, an API error)."""
     while not done.is_set():
         query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
@@ -175,7 +153,7 @@ def _follow(
             for event in api.stream(path, query):
                 if done.is_set():
                     return
-                if not mirror.apply(path, event):
+                if not mirror.apply(generation, path, event):
                     log.warning(
                         "reports: watch of %s: %s; listing again", path, (event.get("object") or {}).get("message")
                     )
@@ -207,33 +185,36 @@ def run_rounds(
     from the mirror a short quiet period after a change (a rollout's burst: one write). `changed` wakes the
     loop: the watches set it, and so does whoever sets `stop` (SIGTERM)."""
     changed = changed or threading.Event()
-    mirror: Mirror | None = None
-    done = threading.Event()  # the current mirror's watches end when it is set
+    mirror, rechecks = Mirror(), Rechecks()
+    done = threading.Event()  # the current list's watches end when it is set
+    done.set()  # nothing listed yet
     next_list = 0.0
     while not stop.is_set():
         try:
             policy = load_policy(policy_file)
-            held = None
-            if mirror is not None and not done.is_set() and time.monotonic() < next_list:
-                held = mirror.snapshot()
             changed.clear()
-            snapshot, done_writes = reconcile(api, policy, held, kinds)
-            if held is None:  # listed: a new mirror, watched from the lists' resourceVersions
+            if done.is_set() or time.monotonic() >= next_list:  # a new list, watched from its resourceVersions
                 done.set()
-                mirror, done, next_list = Mirror(snapshot), threading.Event(), time.monotonic() + interval_s
+                generation = list_into(api, mirror)
+                done, next_list = threading.Event(), time.monotonic() + interval_s
                 for path in mirror.kinds:
                     threading.Thread(
                         target=_follow,
-                        args=(api, mirror, path, max(int(interval_s), 1), changed, done),
+                        args=(api, mirror, generation, path, max(int(interval_s), 1), changed, done),
                         name=f"reports-watch{path}",
                         daemon=True,
                     ).start()
+            _, done_writes = reconcile(api, policy, kinds, mirror, rechecks)
             written = {namespace or "(cluster)": what for namespace, what in done_writes.items() if what != "unchanged"}
-            log.info("reports: %d objects checked; reports %s", len(snapshot.objects), written or "unchanged")
+            log.info(
+                "reports: %d objects held, %d checked again; reports %s",
+                len(mirror),
+                rechecks.checked,
+                written or "unchanged",
+            )
         except (ApiError, PolicyError) as exc:
             log.error("reports: round failed: %s; trying again in %.0f s", exc, interval_s)
             done.set()
-            mirror = None
             stop.wait(interval_s)
             continue
         if changed.wait(max(next_list - time.monotonic(), 0.0)) and not stop.is_set():

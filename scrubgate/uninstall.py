@@ -2,14 +2,17 @@
 runs before `kubectl delete -k manifests/`. The guard stays until no teardown is pending, then everything of
 scrubgate's that would outlive it goes, in an order that never leaves a released device unguarded:
 
-1. wait, at most --timeout, until no claim carrying `scrubgate.dev/sanitize` is released and unattested
-   (deleted, or reserved for nobody, or only for pods that are gone or ended) and no fence of scrubgate's
-   stands (a DeviceTaintRule or a node taint with a `scrubgate.dev/` key: a failed or handed-over teardown);
+1. wait, at most --timeout, until no teardown is pending: no claim carrying `scrubgate.dev/sanitize` holds
+   a device a tenant may have used (allocated on a node, or held by a node agent) with no consumer left that
+   has not ended, and no fence of scrubgate's stands (a DeviceTaintRule or a node taint with a `scrubgate.dev/`
+   key: a failed or handed-over teardown). A claim never allocated holds nothing, nor does a pod still
+   Pending: neither holds the uninstall, or any tenant could hold it forever;
 2. stop the agents: delete the DaemonSet `scrubgate-agent` and wait until its pods are gone;
 3. look again: a pod that ended meanwhile left a teardown its agent handed over (fenced) on its way out;
 4. delete the webhook configurations (label app.kubernetes.io/name=scrubgate);
-5. take `scrubgate.dev/sanitize` off the claims still carrying it: claims in use, which nothing will scrub
-   once scrubgate is gone (that is what uninstalling means), and which would otherwise stay Terminating.
+5. take `scrubgate.dev/sanitize`, and the node agents' holds in `status.reservedFor`, off the claims still
+   carrying them: claims in use, which nothing will scrub once scrubgate is gone (that is what uninstalling
+   means), and which would otherwise stay Terminating, or allocated for good once their pods end.
 
 Any of 1-3 that does not end well exits 1 with the guard still in place and says what holds it; nothing has
 been removed then but the DaemonSet. A failed pre-delete hook leaves the Helm release `uninstalling`, where
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scrubgate.policies import names
+from scrubgate.policies.attestation import agent_reservations, claim_consumers
 
 from .cluster import DRA_GROUP, Api, ApiError, KubeApi, dra_version, list_all
 
@@ -49,14 +53,26 @@ def _live_pods(api: Api) -> set[str]:
     return {_meta(p).get("uid", "") for p in pods}
 
 
+def holds_a_device(claim: dict[str, Any]) -> bool:
+    """Whether the claim may hold a device a tenant used: it is allocated (on a node), or a node agent holds
+    it (its `scrubgate.dev/nodeagents` consumer, until the attested release). A claim never allocated holds
+    nothing; a device its claim let go of that still needs a scrub is fenced, which `pending` finds."""
+    return bool((claim.get("status") or {}).get("allocation")) or bool(agent_reservations(claim))
+
+
 def in_use(claim: dict[str, Any], live_pods: set[str]) -> bool:
-    """A claim reserved for a pod that still runs, or for a consumer other than a pod (a PodGroup: the agent
-    releases it once the group is gone, which this command does not look up). SG007 keeps an ended pod in
-    `reservedFor` until the attestation, so an ended pod there means a teardown pending."""
-    if _meta(claim).get("deletionTimestamp"):
-        return False
-    reserved = (claim.get("status") or {}).get("reservedFor") or []
-    return any(r.get("resource") != "pods" or r.get("uid") in live_pods for r in reserved)
+    """A consumer that has not ended: a pod that exists and has not ended (a Pending one included: it ran
+    nothing yet), or a consumer other than a pod (a PodGroup: the agent releases it once the group is gone,
+    which this command does not look up). A node agent's hold is no consumer: it stays until the attestation,
+    so a claim held for ended pods only is a teardown pending. A claim being deleted is still in use while its
+    pods run (deletion only stops new reservations), as the agent reads it."""
+    return any(resource != "pods" or uid in live_pods for resource, _, uid in claim_consumers(claim))
+
+
+def teardown_pending(claim: dict[str, Any], live_pods: set[str]) -> bool:
+    """A claim the agent still owes a scrub: it carries the finalizer, holds a device, and nothing uses it."""
+    finalizers = _meta(claim).get("finalizers") or []
+    return names.FINALIZER in finalizers and holds_a_device(claim) and not in_use(claim, live_pods)
 
 
 def pending(api: Api, version: str | None) -> list[str]:
@@ -66,7 +82,7 @@ def pending(api: Api, version: str | None) -> list[str]:
         live = _live_pods(api)
         claims, _ = list_all(api, f"/apis/{DRA_GROUP}/{version}/resourceclaims")
         for claim in claims:
-            if names.FINALIZER in (_meta(claim).get("finalizers") or []) and not in_use(claim, live):
+            if teardown_pending(claim, live):
                 status = (_meta(claim).get("annotations") or {}).get(names.ANNOTATION_SCRUB_STATUS, "not started")
                 found.append(f"claim {_name(claim)}: teardown pending (scrub-status {status})")
         rules, _ = list_all(api, f"/apis/{DRA_GROUP}/{version}/devicetaintrules")
@@ -113,24 +129,24 @@ def stop_agents(api: Api, namespace: str, deadline: float, sleep: Callable[[floa
     return None
 
 
-def remove_finalizers(
+def release_claims(
     api: Api, version: str, deadline: float, sleep: Callable[[float], None]
 ) -> tuple[list[str], list[str]]:
-    """Takes the sanitize finalizer off every claim (an update carrying the resourceVersion it read, read again
-    after a failure); (the claims it was taken from, those it could not be taken from and why). The API server
-    drops the deleted webhook configurations a moment later: until then SG007 refuses, and the update is tried
-    again until the deadline."""
-    removed, kept = [], []
+    """Takes scrubgate off every claim still carrying it: the node agents' holds off its status, then the
+    sanitize finalizer off it (each an update carrying the resourceVersion it read, read again after a
+    failure); (the claims released, those that could not be and why). Left there, a hold would keep the claim
+    allocated for good once its pods end (the resourceclaim controller keeps consumers it does not know, and
+    no agent remains to release it). The API server drops the deleted webhook configurations a moment later:
+    until then SG007 refuses, and the update is tried again until the deadline."""
+    released, kept = [], []
     claims, _ = list_all(api, f"/apis/{DRA_GROUP}/{version}/resourceclaims")
     for claim in claims:
         meta = _meta(claim)
         path = f"/apis/{DRA_GROUP}/{version}/namespaces/{meta.get('namespace')}/resourceclaims/{meta.get('name')}"
-        while claim is not None and names.FINALIZER in (_meta(claim).get("finalizers") or []):
-            claim["metadata"]["finalizers"] = [f for f in claim["metadata"]["finalizers"] if f != names.FINALIZER]
-            body = {"apiVersion": f"{DRA_GROUP}/{version}", "kind": "ResourceClaim", **claim}
+        while claim is not None and _carries_scrubgate(claim):
             try:
-                api.request("PUT", path, body=body)
-                removed.append(_name(claim))
+                _release(api, path, f"{DRA_GROUP}/{version}", claim)
+                released.append(_name(claim))
                 break
             except ApiError as exc:
                 if exc.status == 404:
@@ -140,7 +156,28 @@ def remove_finalizers(
                     break
             sleep(POLL_S / 4)
             claim = _get(api, path)
-    return removed, kept
+    return released, kept
+
+
+def _carries_scrubgate(claim: dict[str, Any]) -> bool:
+    return names.FINALIZER in (_meta(claim).get("finalizers") or []) or bool(agent_reservations(claim))
+
+
+def _is_hold(entry: dict[str, Any]) -> bool:
+    return entry.get("apiGroup") == names.RESERVATION_GROUP and entry.get("resource") == names.RESERVATION_RESOURCE
+
+
+def _release(api: Api, path: str, api_version: str, claim: dict[str, Any]) -> None:
+    status = claim.get("status") or {}
+    reserved = status.get("reservedFor") or []
+    if any(_is_hold(entry) for entry in reserved):
+        status["reservedFor"] = [entry for entry in reserved if not _is_hold(entry)]
+        body = {"apiVersion": api_version, "kind": "ResourceClaim", **claim, "status": status}
+        claim = api.request("PUT", f"{path}/status", body=body)
+    finalizers = _meta(claim).get("finalizers") or []
+    if names.FINALIZER in finalizers:
+        claim["metadata"]["finalizers"] = [f for f in finalizers if f != names.FINALIZER]
+        api.request("PUT", path, body={"apiVersion": api_version, "kind": "ResourceClaim", **claim})
 
 
 def _get(api: Api, path: str) -> dict[str, Any] | None:
@@ -178,14 +215,18 @@ def uninstall(api: Api, namespace: str, timeout_s: float, sleep: Callable[[float
         for item in list_all(api, path, query={"labelSelector": WEBHOOK_LABEL})[0]:
             api.request("DELETE", f"{path}/{_meta(item)['name']}")
             print(f"scrubgate uninstall: deleted {kind} {_meta(item)['name']}", flush=True)
-    removed, kept = remove_finalizers(api, version, deadline, sleep) if version is not None else ([], [])
+    removed, kept = release_claims(api, version, deadline, sleep) if version is not None else ([], [])
     for claim in removed:
-        print(f"scrubgate uninstall: {names.FINALIZER} removed from claim {claim} (in use: it will not be scrubbed)")
+        print(
+            f"scrubgate uninstall: {names.FINALIZER} and any node agent's hold taken off claim {claim} (in use or "
+            "never allocated: nothing will scrub it)"
+        )
     if kept:
         print(
-            f"scrubgate uninstall: the guard is gone, but {names.FINALIZER} could not be removed from these claims; "
-            f"remove it from each (kubectl edit resourceclaim -n NAMESPACE NAME), or they stay Terminating once "
-            "deleted:",
+            f"scrubgate uninstall: the guard is gone, but {names.FINALIZER} or a node agent's hold (a "
+            f"{names.RESERVATION_RESOURCE}.{names.RESERVATION_GROUP} entry of status.reservedFor) could not be "
+            "removed from these claims; remove them from each (kubectl edit resourceclaim -n NAMESPACE NAME, with "
+            "--subresource=status for the hold), or they stay allocated, and Terminating once deleted:",
             file=sys.stderr,
         )
         for line in kept:

@@ -215,6 +215,8 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
                 "ClusterRoleBinding",
                 "PriorityClass",
                 "CustomResourceDefinition",
+                "FlowSchema",
+                "PriorityLevelConfiguration",
             ) and not doc["kind"].endswith("WebhookConfiguration"):
                 assert doc["metadata"]["namespace"] == namespace, doc["metadata"]
         for hook in webhooks(docs):
@@ -224,6 +226,14 @@ def test_any_namespace_names_itself_everywhere(helm: str, tmp_path: Path):
                     assert namespace in expression["values"]
         subjects = [s for d in docs if d["kind"].endswith("RoleBinding") for s in d["subjects"]]
         assert subjects and all(s["namespace"] == namespace for s in subjects if s["kind"] == "ServiceAccount")
+        flows = [
+            s["serviceAccount"]
+            for d in docs
+            if d["kind"] == "FlowSchema"
+            for r in d["spec"]["rules"]
+            for s in r["subjects"]
+        ]
+        assert flows and all(s["namespace"] == namespace for s in flows)
         policy = yaml.safe_load(one(docs, "ConfigMap", "scrubgate-policy")["data"]["policy.yaml"])
         assert policy["agent"]["identities"] == [f"system:serviceaccount:{namespace}:scrubgate-agent"]
         # The certificate is made in the cluster for the Service in this namespace (test_chart_lifecycle.py).
@@ -826,8 +836,9 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
     api = FakeApi()
     webhook(api)
     api.objects["/api/v1/pods"]["p"] = {"metadata": {"uid": "p"}, "status": {"phase": "Running"}}
-    api.objects["/apis/resource.k8s.io/v1/resourceclaims"]["busy"] = claim("busy", reserved=("p",))
+    api.objects["/apis/resource.k8s.io/v1/resourceclaims"]["busy"] = claim("busy", reserved=("p",), held=True)
     assert uninstall(api, "scrubgate-system", 5, sleep=lambda _: None) == 0
+    assert ("PUT", "/apis/resource.k8s.io/v1/namespaces/team/resourceclaims/busy/status") in api.calls
     for method, path in set(api.calls):
         parts = path.strip("/").split("/")
         if len(parts) <= 2:
@@ -837,6 +848,8 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
         namespaced = rest[0] == "namespaces"
         rest = rest[2:] if namespaced else rest
         resource, name = rest[0], rest[1] if len(rest) > 1 else None
+        if len(rest) > 2:
+            resource = f"{resource}/{rest[2]}"  # a subresource: the agent's hold is in the claim's status
         verb = {"GET": "get" if name else "list", "PUT": "update", "DELETE": "delete"}[method]
         rules = [*cluster_rules, *(namespace_rules if namespaced else [])]
         assert any(
@@ -862,3 +875,15 @@ def test_the_webhooks_skip_only_the_claims_of_the_policys_excluded_classes(helm:
         assert condition["expression"].count("['nic.example.com', 'imex.nvidia.com']") == 3, hook["name"]
         for other in hook["matchConditions"]:
             assert "scrubgate-system" not in other["expression"], (hook["name"], other["name"])
+
+
+def test_the_agents_and_the_webhook_have_their_priority_level(default: list[Doc]):
+    """API Priority and Fairness: the base's FlowSchema and PriorityLevelConfiguration (manifests/flowcontrol.yaml,
+    tests/test_flowcontrol.py) are cluster-scoped objects of the chart, naming the release's ServiceAccounts."""
+    schema = one(default, "FlowSchema", "scrubgate")
+    level = one(default, "PriorityLevelConfiguration", schema["spec"]["priorityLevelConfiguration"]["name"])
+    assert "namespace" not in schema["metadata"] and "namespace" not in level["metadata"]
+    accounts = {s["serviceAccount"]["name"] for r in schema["spec"]["rules"] for s in r["subjects"]}
+    agent = one(default, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["serviceAccountName"]
+    webhook = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert accounts == {agent, webhook}

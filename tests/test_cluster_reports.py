@@ -25,7 +25,9 @@ from scrubgate import __version__, cli, reports
 from scrubgate.check import run_check
 from scrubgate.cluster import CHECKED_KINDS, ApiError, KubeApi, check_cluster, read_cluster
 from scrubgate.cluster import NAMESPACES as NAMESPACE_KIND
+from scrubgate.mirror import Mirror, entry
 from scrubgate.policyreport import OPENREPORTS, build_reports
+from scrubgate.rechecks import Rechecks
 
 CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
 PODS = "/api/v1/pods"
@@ -82,25 +84,22 @@ def test_check_cluster_reports_what_was_there_before_the_webhook(api):
     assert api.writes() == []  # read-only
 
 
-def test_a_gpu_device_class_under_an_excluded_name_goes_to_the_cluster_report(api):
-    """SG009 in a cluster: a DeviceClass handing out gpu.nvidia.com's devices under a name the policy leaves out
-    (created while no webhook ran) is found, and reported cluster-wide."""
+def test_a_gpu_device_class_outside_the_policy_goes_to_the_cluster_report(api):
+    """SG009 in a cluster: a DeviceClass the policy excludes (its claims skip every guard) whose selectors do not
+    prove it hands out no GPU memory (created while no webhook ran) is found, and reported cluster-wide; a class
+    that may hand out GPUs under any other name is guarded, no finding."""
     selector = {"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}
-    api.add(
-        "/apis/resource.k8s.io/v1/deviceclasses",
-        {"metadata": {"name": "imex.nvidia.com"}, "spec": {"selectors": [selector]}},
-    )
-    api.add(
-        "/apis/resource.k8s.io/v1/deviceclasses",
-        {"metadata": {"name": "gpu.nvidia.com"}, "spec": {"selectors": [selector]}},
-    )
+    for name in ("h100-80gb", "imex.nvidia.com"):
+        api.add(
+            "/apis/resource.k8s.io/v1/deviceclasses", {"metadata": {"name": name}, "spec": {"selectors": [selector]}}
+        )
     result, _ = check_cluster(api, load_policy(None))
     classes = [
         (c.document.obj["metadata"]["name"], [f.rule for f in c.findings])
         for c in result.objects
         if c.document.obj["kind"] == "DeviceClass"
     ]
-    assert sorted(classes) == [("gpu.nvidia.com", []), ("imex.nvidia.com", ["SG009"])]
+    assert sorted(classes) == [("h100-80gb", []), ("imex.nvidia.com", ["SG009"])]
     cluster_report = build_reports(result)[""]
     assert cluster_report["kind"] == "ClusterPolicyReport"
     assert [(r["rule"], r["resources"][0]["kind"], r["resources"][0]["name"]) for r in cluster_report["results"]] == [
@@ -399,3 +398,122 @@ def test_openreports_reports_for_kyverno_1_15_and_later(api):
     cluster = api.request("GET", "/apis/openreports.io/v1alpha1/clusterreports/scrubgate")
     assert cluster["kind"] == "ClusterReport"
     assert not [c for c in api.calls if "wgpolicyk8s.io" in c[1]], "nothing written to the other API"
+
+
+# --- what reports holds, and what it checks again --------------------------------------------------------
+
+DEPLOYMENTS = "/apis/apps/v1/deployments"
+CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
+
+
+def gpu_pod(namespace: str, name: str, *, claim_name: str | None = None, grace: int = 60) -> dict:
+    ref = {"resourceClaimName": claim_name} if claim_name else {"resourceClaimTemplateName": "gpu"}
+    return {
+        "metadata": {"namespace": namespace, "name": name, "uid": f"uid-{name}", "managedFields": [{"m": "x"}]},
+        "spec": {
+            "containers": [{"name": "main", "image": "trainer", "env": [{"name": "A", "value": "b" * 200}]}],
+            "resourceClaims": [{"name": "gpu", **ref}],
+            "terminationGracePeriodSeconds": grace,
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+@pytest.fixture
+def busy(api: FakeApi) -> FakeApi:
+    """The fixture's cluster and: GPU pods, a short grace period (SG003), two pods of a trusted namespace naming
+    one claim (SG002 across pods), a pod naming a claim, a Deployment of no device."""
+    for i in range(3):
+        api.add(PODS, gpu_pod("team-a", f"train-{i}", grace=5 if i == 0 else 60))
+    api.add(PODS, gpu_pod("team-a", "named", claim_name="old"))
+    for name in ("a", "b"):
+        api.add(PODS, gpu_pod("lab", f"shared-{name}", claim_name="sticky"))
+    api.add(PODS, gpu_pod("kube-system", "system", grace=5))
+    web = {"metadata": {"namespace": "team-a", "name": "web"}, "spec": {"template": {"spec": {"containers": []}}}}
+    api.add(DEPLOYMENTS, web)
+    return api
+
+
+def report_results(result) -> dict:
+    """Each report's results, in an order of their own (a list's order is the API server's, by key)."""
+    moment = datetime(2026, 12, 3, 8, 0, tzinfo=UTC)
+    built = build_reports(result, moment).items()
+    return {ns: sorted(json.dumps(x, sort_keys=True) for x in r["results"]) for ns, r in built}
+
+
+def test_reports_find_what_check_cluster_finds_holding_only_what_may_matter(busy):
+    """The slim, packed objects and the per-object findings give the reports `check --cluster` gives over the
+    whole objects; pods of no device (the web pods), the Deployment of none and kube-system are not held."""
+    policy = load_policy(None)
+    whole, _ = check_cluster(busy, policy)
+    mirror = Mirror()
+    reports.list_into(busy, mirror)
+    assert report_results(Rechecks().run(mirror, policy)) == report_results(whole)
+    rules = {(r["resources"][0]["name"], r["rule"]) for rs in build_reports(whole).values() for r in rs["results"]}
+    assert {("train-0", "SG003"), ("shared-a", "SG002"), ("shared-b", "SG002"), ("named", "SG002")} <= rules
+    held = {key for path, key in mirror.refs() if path in (PODS, DEPLOYMENTS)}
+    assert held == {("team-a", f"train-{i}") for i in range(3)} | {
+        ("team-a", "named"),
+        ("lab", "shared-a"),
+        ("lab", "shared-b"),
+    }
+
+
+def test_only_what_changed_is_checked_again(busy):
+    """After the first round each object is checked again only when it, or what its findings depend on, changed;
+    and the findings are those of a check of everything."""
+    policy = load_policy(None)
+    mirror, rechecks = Mirror(), Rechecks()
+    generation = reports.list_into(busy, mirror)
+    rechecks.run(mirror, policy)
+    assert rechecks.checked == len(mirror) - 3  # not the Namespaces
+
+    def event(path: str, kind: str, obj: dict) -> None:
+        assert mirror.apply(generation, path, {"type": kind, "object": obj})
+
+    def run_and_compare() -> int:
+        incremental = report_results(rechecks.run(mirror, policy))
+        assert incremental == report_results(Rechecks().run(mirror, policy))
+        return rechecks.checked
+
+    assert run_and_compare() == 0, "nothing changed"
+    event(PODS, "MODIFIED", gpu_pod("team-a", "train-1", grace=5))
+    event(PODS, "MODIFIED", {**gpu_pod("team-a", "train-2"), "status": {"phase": "Succeeded"}})  # nothing read
+    assert run_and_compare() == 1
+    event(PODS, "ADDED", {"metadata": {"namespace": "team-a", "name": "web-9"}, "spec": {"containers": []}})
+    assert run_and_compare() == 0, "a pod of no device is not held"
+    event(CLAIMS, "MODIFIED", claim("team-a", "old", finalizer=True))
+    assert run_and_compare() == 2, "the claim and the pod naming it"
+    event(NAMESPACES, "MODIFIED", namespace("team-a", trusted=True))
+    assert run_and_compare() == sum(1 for _, key in mirror.refs() if key[0] == "team-a")
+    event(PODS, "DELETED", gpu_pod("team-a", "train-0"))
+    assert run_and_compare() == 0
+    event(CLASSES, "ADDED", {"metadata": {"name": "nic"}, "spec": {"selectors": []}})
+    assert run_and_compare() == len(mirror) - 3, "a DeviceClass: every object but the Namespaces"
+    policy = load_policy(None).model_copy(update={"admin_groups": ["other"]})
+    assert run_and_compare() == len(mirror) - 3, "a new policy: everything"
+
+
+def test_a_new_list_checks_again_only_what_differs(busy):
+    policy = load_policy(None)
+    mirror, rechecks = Mirror(), Rechecks()
+    reports.list_into(busy, mirror)
+    rechecks.run(mirror, policy)
+    busy.collections[PODS] = [p for p in busy.collections[PODS] if p["metadata"]["name"] != "train-0"]
+    old_generation = mirror.generation
+    reports.list_into(busy, mirror)
+    assert not mirror.apply(old_generation, PODS, {"type": "ADDED", "object": gpu_pod("team-a", "late")})
+    rechecks.run(mirror, policy)
+    assert rechecks.checked == 0  # train-0 went: its findings with it, nothing to validate
+    assert ("team-a", "train-0") not in {key for _, key in mirror.refs(PODS)}
+    assert all(key != ("team-a", "train-0") for _, key in rechecks.findings)
+
+
+def test_an_object_sent_again_unchanged_is_no_change():
+    """The packed form is the same bytes for the same content however the object was built (a list page and a
+    watch event share strings differently), so that an unchanged object is not checked again."""
+    name = "".join(["tr", "ain"])
+    shared = gpu_pod("team-a", name, claim_name=name)  # one string object, named twice
+    apart = gpu_pod("team-a", "".join(["tra", "in"]), claim_name="".join(["t", "rain"]))
+    assert shared == apart
+    assert entry({"apiVersion": "v1", "kind": "Pod", **shared}) == entry({"apiVersion": "v1", "kind": "Pod", **apart})

@@ -28,6 +28,14 @@ SYSTEM_NAMESPACES = {"kube-system", names.SYSTEM_NAMESPACE}
 K8S_VERSIONS = ["1.34", latest_version()]
 
 Doc = dict[str, Any]
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PriorityClass",
+    "FlowSchema",
+    "PriorityLevelConfiguration",
+}
 
 
 def kustomize(directory: Path) -> list[Doc]:
@@ -80,10 +88,10 @@ def test_rendered_objects(docs: list[Doc]):
     assert ("ServiceAccount", names.AGENT_SERVICE_ACCOUNT) in kinds
     assert "WebhookSettings" not in {k for k, _ in kinds}  # local-config source of the replacements
     for doc in docs:
-        if doc["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"} and not doc[
-            "kind"
-        ].endswith("WebhookConfiguration"):
+        if doc["kind"] not in CLUSTER_SCOPED and not doc["kind"].endswith("WebhookConfiguration"):
             assert doc["metadata"]["namespace"] == names.SYSTEM_NAMESPACE, doc["metadata"]["name"]
+        else:
+            assert "namespace" not in doc["metadata"], (doc["kind"], doc["metadata"]["name"])
 
 
 # --- webhook configurations -------------------------------------------------------------------------
@@ -864,6 +872,78 @@ def test_the_webhook_reads_device_classes_and_nothing_else(docs: list[Doc]):
     assert grants(one(docs, "ClusterRole", "scrubgate-webhook")) == expected
     account = one(docs, "ServiceAccount", names.WEBHOOK_SERVICE_ACCOUNT)
     assert account["automountServiceAccountToken"] is True
+
+
+# --- API Priority and Fairness ------------------------------------------------------------------------
+
+# kube-apiserver's bootstrap FlowSchemas and their levels' shares and lendable percentages (k8s.io/apiserver
+# pkg/apis/flowcontrol/bootstrap/default.go, v0.37.2): what scrubgate's level is sized against.
+BOOTSTRAP_PRECEDENCE = {
+    "exempt": 1,
+    "probes": 2,
+    "system-leader-election": 100,
+    "system-node-high": 400,
+    "system-nodes": 500,
+    "kube-controller-manager": 800,
+    "kube-scheduler": 800,
+    "kube-system-service-accounts": 900,
+    "service-accounts": 9000,
+    "global-default": 9900,
+    "catch-all": 10000,
+}
+BOOTSTRAP_LEVELS = {  # name: (nominalConcurrencyShares, lendablePercent)
+    "exempt": (0, 0),
+    "catch-all": (5, 0),
+    "system": (30, 33),
+    "node-high": (40, 25),
+    "leader-election": (10, 0),
+    "workload-high": (40, 50),
+    "workload-low": (100, 90),
+    "global-default": (20, 50),
+}
+SERVER_SEATS = 600  # --max-requests-inflight 400 + --max-mutating-requests-inflight 200, the defaults
+
+
+def test_the_agents_and_the_webhook_have_a_priority_level_of_their_own(docs: list[Doc]):
+    """Their requests leave the bootstrap `service-accounts` schema (matched at 9000, level workload-low, shared
+    with every tenant's ServiceAccount) for a FlowSchema matched after every system component's schema (none of
+    which names them) and before it; every request of theirs, under the identities the pods run as."""
+    schema = one(docs, "FlowSchema", "scrubgate")
+    level = one(docs, "PriorityLevelConfiguration", schema["spec"]["priorityLevelConfiguration"]["name"])
+    precedence = schema["spec"]["matchingPrecedence"]
+    system = max(
+        v for k, v in BOOTSTRAP_PRECEDENCE.items() if k not in ("service-accounts", "global-default", "catch-all")
+    )
+    assert system < precedence < BOOTSTRAP_PRECEDENCE["service-accounts"]
+    (rule,) = schema["spec"]["rules"]
+    accounts = {(s["serviceAccount"]["namespace"], s["serviceAccount"]["name"]) for s in rule["subjects"]}
+    webhook = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["serviceAccountName"]
+    agent = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert accounts == {(names.SYSTEM_NAMESPACE, webhook), (names.SYSTEM_NAMESPACE, agent)}
+    assert schema["spec"]["distinguisherMethod"] == {"type": "ByUser"}, "the webhook's flow apart from the agents'"
+    everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"], "clusterScope": True}
+    assert rule["resourceRules"] == [everything]
+    assert rule["nonResourceRules"] == [{"verbs": ["*"], "nonResourceURLs": ["*"]}]
+    assert level["spec"]["type"] == "Limited" and level["spec"]["limited"]["limitResponse"]["type"] == "Queue"
+
+
+def test_the_level_keeps_seats_of_its_own_without_taking_the_tenants(docs: list[Doc]):
+    """Seats it never lends (never starved), fewer than the controllers' or the kubelets' levels keep, and a
+    share of the server far below the tenants' (never starving them: beyond its own, it borrows only what
+    others lend while idle)."""
+    limited = one(docs, "PriorityLevelConfiguration", "scrubgate")["spec"]["limited"]
+    shares, lendable = limited["nominalConcurrencyShares"], limited["lendablePercent"]
+    total = sum(s for s, _ in BOOTSTRAP_LEVELS.values()) + shares
+
+    def kept(level_shares: int, level_lendable: int) -> float:
+        return SERVER_SEATS * level_shares / total * (100 - level_lendable) / 100
+
+    own = kept(shares, lendable)
+    assert own >= 16, f"{own:.1f} seats of its own"
+    assert own < min(kept(*BOOTSTRAP_LEVELS[name]) for name in ("system", "workload-high"))
+    assert shares * 5 < BOOTSTRAP_LEVELS["workload-low"][0], "the tenants' level keeps most of the server"
+    queuing = limited["limitResponse"]["queuing"]
+    assert queuing["handSize"] * queuing["queueLengthLimit"] >= 500, "a thousand agents' re-watches queue, not 429"
 
 
 # --- TLS: certs inject and the cert-manager component ---------------------------------------------------
