@@ -240,12 +240,18 @@ def default(
 ) -> list[Finding]:
     """Mutations (SG004): the sanitize finalizer added to an in-scope ResourceClaim being created, and removed
     on the UPDATE by which kube-scheduler releases a claim of its own that no container used
-    (`rules.scheduler_release`). Never added on UPDATE: the agent's own removal of the finalizer must not be
+    (`release_guard.scheduler_release`); (SG007) a held claim's pods kept in its reservation
+    (`release_guard.kept_consumers_patch`). Never added on UPDATE: the agent's own removal of the finalizer must not be
     undone. No grace period is defaulted here: the API server sets an absent terminationGracePeriodSeconds to
     30 s before any admission webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""
     scope = Scope(policy, classes)
     if operation not in ("CREATE", "UPDATE") or not isinstance(obj, dict) or not is_claim(obj):
         return []
+    if admission is not None and admission.subresource == "status":
+        old = admission.old_object
+        if operation != "UPDATE" or not isinstance(old, dict) or kind_of(obj)[1] != "ResourceClaim":
+            return []
+        return _findings(policy, "SG007", release_guard.kept_consumers_patch(obj, old, admission.requester, policy))
     if kind_of(obj)[1] != "ResourceClaim" or not gpu_requests(obj, scope):
         return []
     if operation == "CREATE":

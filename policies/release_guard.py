@@ -416,3 +416,39 @@ def reservation_guard(
             f"the node agent holds the claim (moments after a pod of it starts on a node)"
         )
     return [*violations, (message, _RESERVED_FOR, ())], []
+
+
+def kept_consumers_patch(
+    obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig
+) -> list[Violation]:
+    """SG007's other half, for /mutate: while a node agent holds a claim, the pods it was reserved for stay in its
+    reservation. Kubernetes' resourceclaim controller drops an ended pod from a claim (syncClaim), and reserves an
+    allocated claim again for any pod bound to a node and not being deleted, ended or not (syncPod): with the
+    allocation held, the two would take turns for as long as the hold stands (pkg/controller/resourceclaim/
+    controller.go, v1.37). So its drop is made a no-op (the API server stores nothing, the controller's update
+    succeeds); the pods go with the deallocation, once the agent has released its hold, and the attestation names
+    them. kube-scheduler's Unreserve (a pod whose binding failed: it never ran) and an admin's drop are left be."""
+    if who.is_scheduler(policy) or who.is_admin(policy):
+        return []
+    if not agent_reservations(old) or not agent_reservations(obj):
+        return []
+    old_status, new_status = as_dict(old.get("status")), as_dict(obj.get("status"))
+    if new_status.get("allocation") != old_status.get("allocation"):
+        return []  # a deallocation: the deallocation guard's to decide
+    kept = as_list(new_status.get("reservedFor"))
+    dropped = [
+        as_dict(e) for e in as_list(old_status.get("reservedFor"))
+        if as_dict(e).get("resource") == "pods" and not as_dict(e).get("apiGroup") and e not in kept
+    ]  # fmt: skip
+    if not dropped:
+        return []
+    if isinstance(new_status.get("reservedFor"), list):
+        ops = tuple({"op": "add", "path": "/status/reservedFor/-", "value": e} for e in dropped)
+    else:
+        ops = ({"op": "add", "path": "/status/reservedFor", "value": dropped},)
+    message = (
+        f"pod(s) {', '.join(as_str(e.get('name')) for e in dropped)} kept in the reservation of a claim node "
+        f"{', '.join(h for h, _ in agent_reservations(old))}'s agent holds: they leave it with the deallocation, "
+        "after the attested release"
+    )
+    return [(message, _RESERVED_FOR, ops)]

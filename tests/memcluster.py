@@ -372,8 +372,8 @@ class InMemoryCluster:
 
     def deallocate(self, namespace: str, name: str, *, bypass: bool = False) -> bool:
         """What kube-controller-manager's resourceclaim controller does once a claim's pods have ended
-        (pkg/controller/resourceclaim/controller.go, syncClaim): drop them from its reservation, keeping consumers
-        it does not know (a node agent's hold), and clear the allocation only once nobody is left, where the
+        (pkg/controller/resourceclaim/controller.go, syncClaim): drop them from its reservation (a no-op while a
+        node agent holds the claim: /mutate keeps them), and clear the allocation only once nobody is left, where the
         `guard` lets it (else it is retried at the claim's next change); `bypass`: the guard is not asked (a
         webhook bypassed or uninstalled, whoever clears the allocation then clears every consumer with it).
         Returns whether the allocation went."""
@@ -383,10 +383,9 @@ class InMemoryCluster:
             status = claim.setdefault("status", {})
             kept = [c for c in status.get("reservedFor") or [] if c.get("resource") != "pods" or c.get("apiGroup")]
             if kept and not bypass:
-                self._deallocating.add(key)  # synced again at the claim's next change: the hold's release
-                if kept != status.get("reservedFor"):
-                    status["reservedFor"] = kept
-                    self._bump(claim)
+                # Held: the webhook's /mutate keeps the ended pods too (kept_consumers_patch), so the controller's
+                # write stores nothing; synced again at the claim's next change, the hold's release.
+                self._deallocating.add(key)
                 return False
             allocated = status.get("allocation")
             if not bypass and self.guard is not None and allocated and not self.guard(copy.deepcopy(claim)):

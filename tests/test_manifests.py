@@ -224,7 +224,8 @@ def test_mutating_rules(docs: list[Doc]):
     own): the API server defaults a pod's grace period before any webhook, so pods and workloads would only wait
     on the webhook for nothing."""
     assert covered(by_name(docs)["mutate.scrubgate.dev"]) == {
-        (names.RESOURCE_GROUP, "*", "resourceclaims", op) for op in ("CREATE", "UPDATE")
+        *((names.RESOURCE_GROUP, "*", "resourceclaims", op) for op in ("CREATE", "UPDATE")),
+        (names.RESOURCE_GROUP, "*", "resourceclaims/status", "UPDATE"),  # a held claim's ended pods kept
     }
 
 
@@ -663,7 +664,8 @@ def test_the_claim_condition_names_the_policys_excluded_classes(docs: list[Doc])
 
 def mutations() -> Iterator[tuple[str, Doc, bool]]:
     """/mutate gets every claim CREATE, and of the UPDATEs only delete-protection leaving an allocated claim that
-    carries our finalizer (kube-scheduler releasing its own claim): never the agent's writes."""
+    carries our finalizer (kube-scheduler releasing its own claim), and the resourceclaim controller's drop of an
+    ended pod from a claim a node agent holds: never the agent's writes."""
     for name, data, expected in claim_writes():
         if data["request"]["resource"]["resource"] == "resourceclaims":
             yield name, data, expected
@@ -676,6 +678,19 @@ def mutations() -> Iterator[tuple[str, Doc, bool]]:
         )
         assert not releasing or expected, name
         yield name, data, releasing
+    # Of the status writes, only the controller's drop of an ended pod from a claim a node agent holds.
+    dropping = {
+        "resourceclaims/status: the controller dropping a pod from a held claim",
+        "resourceclaims/status: the controller dropping a pod from a claim no agent holds",
+    }
+    for name, data, _ in claim_status_writes():
+        held = any(
+            r.get("apiGroup") == "scrubgate.dev" for r in (data["object"].get("status") or {}).get("reservedFor") or []
+        )
+        yield name, data, name in dropping and held
+    data = next(d for n, d, _ in claim_status_writes() if n.endswith("dropping a pod from a held claim"))
+    scheduler = {**data, "request": {**data["request"], "userInfo": {"username": "system:kube-scheduler"}}}
+    yield "resourceclaims/status: the scheduler's Unreserve on a held claim", scheduler, False
 
 
 @pytest.mark.parametrize("name, data, expected", list(mutations()), ids=lambda v: v if isinstance(v, str) else "")

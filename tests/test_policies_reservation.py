@@ -115,3 +115,34 @@ def test_an_agent_writes_no_record_on_a_claim_that_is_on_no_node():
     admission = Admission("UPDATE", AGENT, (), old_object=pending, node="node-a")
     (finding,) = validate(marked, POLICY, trusted=False, admission=admission)
     assert "which is on no node" in finding.message
+
+
+def test_while_held_the_controllers_drop_of_an_ended_pod_is_made_a_no_op():
+    """Upstream's resourceclaim controller drops an ended pod (syncClaim) and reserves the still-allocated claim for
+    any bound pod not being deleted (syncPod): while the agent holds the claim, the two would take turns. /mutate
+    keeps the pod, so the controller's write stores nothing; the pod leaves with the deallocation."""
+    import jsonpatch
+    from scrubgate.policies.engine import Admission, default
+    from test_policies_deallocation import POLICY
+
+    held = reserved(allocated(recorded=False), POD, hold())
+    dropped = reserved(held, hold())
+    admission = Admission("UPDATE", CONTROLLER, (), old_object=held, subresource="status")
+    (finding,) = default(dropped, POLICY, "UPDATE", admission)
+    assert finding.rule == "SG007" and "p1" in finding.message
+    kept = jsonpatch.apply_patch(dropped, list(finding.patch))
+    assert sorted(map(str, kept["status"]["reservedFor"])) == sorted(map(str, held["status"]["reservedFor"]))
+    scheduler = Admission("UPDATE", SCHEDULER, (), old_object=held, subresource="status")
+    assert default(dropped, POLICY, "UPDATE", scheduler) == [], "Unreserve: a pod that never ran"
+    released = reserved(held, POD)
+    assert default(released, POLICY, "UPDATE", admission) == [], "the hold itself released: nothing kept"
+    unheld = reserved(allocated(recorded=False), POD)
+    assert (
+        default(
+            reserved(unheld),
+            POLICY,
+            "UPDATE",
+            Admission("UPDATE", CONTROLLER, (), old_object=unheld, subresource="status"),
+        )
+        == []
+    )

@@ -98,7 +98,13 @@ def handle_mutate(request: AdmissionRequest, policy: PolicyConfig, classes: Devi
     that no container used. The engine patches only what is absent, so a reinvocation (reinvocationPolicy:
     IfNeeded) adds nothing twice; it finds nothing to default in other operations and kinds (the API server has
     defaulted a pod's grace period before any webhook runs)."""
-    admission = Admission(operation=request.operation, username=request.username, old_object=request.old_object)
+    admission = Admission(
+        operation=request.operation,
+        username=request.username,
+        groups=request.groups,
+        old_object=request.old_object,
+        subresource=request.sub_resource,
+    )
     findings = default(request.object, policy, request.operation, admission, classes)
     ops = [op for finding in findings for op in finding.patch]
     unsafe = [op for op in ops if not _safe(op, ops)]
