@@ -810,29 +810,53 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
 @pytest.mark.parametrize(
     ("name", "expression"),
     [
-        ("in-list", "device.driver in ['gpu.nvidia.com']"),
+        ("by-model", "device.driver in device.attributes && has(device.attributes[device.driver].productName)"),
+        ("shared", "device.driver == 'gpu.nvidia.com' && has(device.allowMultipleAllocations)"),
+        ("pcie-root", "has(device.attributes['resource.kubernetes.io'].pcieRoot)"),
         ("escaped", "device.driver == 'gpu\\x2envidia.com'"),
         ("no-selector", None),
     ],
 )
-def test_a_gpu_class_under_another_name_is_refused_however_it_is_written(
+def test_a_class_not_proven_unable_to_hand_out_gpus_guards_its_claims(
     cluster: Cluster, book: AuditBook, name: str, expression: str | None
 ) -> None:
-    """SG009 on kube-apiserver: what the class's selectors select decides, not how they name the driver (the
-    guard that read only `device.driver == "..."` let these in, and every claim through them went unguarded)."""
+    """Issue 28, on kube-apiserver: a class a platform admin might well write, picking GPUs by model, by
+    `allowMultipleAllocations`, by `pcieRoot` or by nothing at all, is a GPU class whatever its name: the webhook
+    (which watches the cluster's DeviceClasses) gives its claims the finalizer and refuses admin access in them in
+    a multi-tenant namespace. Under a name the policy leaves out (its claims would skip the webhook), SG009
+    refuses it."""
     spec = {"selectors": [{"cel": {"expression": expression}}]} if expression else {}
     body = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
-        "metadata": {"name": f"sneaky-{name}"},
+        "metadata": {"name": f"picks-{name}"},
         "spec": spec,
     }
+    book.allowed(lambda: cluster.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", body, user="admin"))
+    ns = tenant_namespace(cluster, f"picks-{name}", labels={"resource.kubernetes.io/admin-access": "true"})
+    claim = workloads.resource_claim("c")
+    claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = f"picks-{name}"
+    created = book.allowed(
+        lambda: cluster.request("POST", cluster.resource_path("resourceclaims", ns), claim, user="alice")
+    )
+    assert names.FINALIZER in created["metadata"]["finalizers"], "a GPU class: its claims are guarded"
+    claim["metadata"]["name"] = "admin"
+    claim["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+    book.denied(
+        lambda: cluster.request("POST", cluster.resource_path("resourceclaims", ns), claim, user="alice"),
+        "SG006",
+        user="alice",
+        operation="CREATE",
+        namespace=ns,
+        name="admin",
+    )
+    excluded = {**body, "metadata": {"name": "imex.nvidia.com"}}
     message = book.denied(
-        lambda: cluster.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", body),
+        lambda: cluster.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", excluded, user="admin"),
         "SG009",
         user="admin",
         operation="CREATE",
         namespace="",
-        name=f"sneaky-{name}",
+        name="imex.nvidia.com",
     )
-    assert "selects devices of the GPU driver gpu.nvidia.com" in message, message
+    assert "excludeDeviceClasses" in message, message
