@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from scrubgate.policies.config import PolicyConfig
-from scrubgate.policies.selectors import UNKNOWN, DeviceClasses
+from scrubgate.policies.selectors import UNKNOWN, ClassVerdict, DeviceClasses, class_verdict
 
 from scrubgate.kubeapi import Api, ApiError, dra_version, list_all
 
@@ -38,15 +38,18 @@ def _trimmed(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class DeviceClassWatch:
-    """`connect` gives the API (it may fail: a kubeconfig or token not there yet; the watch retries it)."""
+    """`connect` gives the API (it may fail: a kubeconfig or token not there yet; the watch retries it). Each class's
+    verdict is computed when the class is listed or changes, not per request: a bulk of class writes costs one
+    verdict each."""
 
     def __init__(self, connect: Callable[[], Api], on_unproven: Callable[[list[str]], None] | None = None) -> None:
         self.connect = connect
         self.api: Api | None = None
         self.on_unproven = on_unproven
         self._objects: dict[str, dict[str, Any]] = {}
-        self._generation = 0
-        self._cache: tuple[int, tuple[str, ...], DeviceClasses] | None = None
+        self._verdicts: dict[str, ClassVerdict] = {}
+        self._drivers: tuple[str, ...] | None = None  # the GPU drivers the verdicts are under
+        self._current: DeviceClasses = UNKNOWN
         self._lock = threading.Lock()
         self._last_unproven: list[str] = []
         self.synced = threading.Event()
@@ -57,14 +60,11 @@ class DeviceClassWatch:
             return UNKNOWN
         drivers = tuple(policy.gpu_drivers)
         with self._lock:
-            cached = self._cache
-            if cached is not None and cached[0] == self._generation and cached[1] == drivers:
-                return cached[2]
-            generation, objects = self._generation, list(self._objects.values())
-        verdicts = DeviceClasses.of(objects, drivers)
-        with self._lock:
-            self._cache = (generation, drivers, verdicts)
-        return verdicts
+            if drivers != self._drivers:  # a policy reload changed them: every verdict again, once
+                self._drivers = drivers
+                self._verdicts = {name: class_verdict(obj, drivers) for name, obj in self._objects.items()}
+                self._current = DeviceClasses(dict(self._verdicts))
+            return self._current
 
     def unproven_excluded(self, policy: PolicyConfig) -> list[str]:
         """Excluded classes whose selectors do not prove they hand out no GPU memory."""
@@ -74,7 +74,7 @@ class DeviceClassWatch:
     def _replace(self, items: list[dict[str, Any]]) -> None:
         with self._lock:
             self._objects = {o["metadata"]["name"]: o for o in map(_trimmed, items) if o["metadata"]["name"]}
-            self._generation += 1
+            self._drivers = None  # recomputed at the next decision
 
     def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
         trimmed = _trimmed(obj)
@@ -84,9 +84,12 @@ class DeviceClassWatch:
         with self._lock:
             if kind == "DELETED":
                 self._objects.pop(name, None)
+                self._verdicts.pop(name, None)
             else:
                 self._objects[name] = trimmed
-            self._generation += 1
+                if self._drivers is not None:
+                    self._verdicts[name] = class_verdict(trimmed, self._drivers)
+            self._current = DeviceClasses(dict(self._verdicts))
 
     def run(self, stop: threading.Event, policy: Callable[[], PolicyConfig]) -> None:
         """List, then watch from the list's version; on any error, list again after a backoff."""
