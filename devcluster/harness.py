@@ -658,7 +658,20 @@ class Cluster:
             for item in self.request("GET", path)["items"]:
                 if any(w.get("name", "").endswith(".scrubgate.dev") for w in item.get("webhooks") or []):
                     self.request("DELETE", f"{path}/{item['metadata']['name']}")
+        self._release_holds()
         self.webhook.stop()
+
+    def _release_holds(self) -> None:
+        """What `scrubgate uninstall` does last: the agents' holds come off the claims (their devices fenced by the
+        agents on their way out), so that Kubernetes deallocates them as ever."""
+        path = self.resource_path("resourceclaims")
+        for claim in self.request("GET", path)["items"]:
+            reserved = (claim.get("status") or {}).get("reservedFor") or []
+            kept = [r for r in reserved if r.get("apiGroup") != names.RESERVATION_GROUP]
+            if kept != reserved:
+                meta = claim["metadata"]
+                claim["status"]["reservedFor"] = kept
+                self.request("PUT", self.resource_path("resourceclaims", meta["namespace"], meta["name"]) + "/status", claim)
 
     def reinstall_scrubgate(self) -> None:
         """scrubgate installed again after `uninstall_scrubgate`: the webhook, its configurations, the agents

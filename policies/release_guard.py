@@ -442,10 +442,10 @@ def kept_consumers_patch(
     ]  # fmt: skip
     if not dropped:
         return []
-    if isinstance(new_status.get("reservedFor"), list):
-        ops = tuple({"op": "add", "path": "/status/reservedFor/-", "value": e} for e in dropped)
-    else:
-        ops = ({"op": "add", "path": "/status/reservedFor", "value": dropped},)
+    # In the stored order, so that the controller's write stores nothing at all (no new resourceVersion, no event).
+    old_list = as_list(old_status.get("reservedFor"))
+    restored = [e for e in old_list if e in kept or e in dropped] + [e for e in kept if e not in old_list]
+    ops = ({"op": "replace" if "reservedFor" in new_status else "add", "path": _RESERVED_FOR, "value": restored},)
     message = (
         f"pod(s) {', '.join(as_str(e.get('name')) for e in dropped)} kept in the reservation of a claim node "
         f"{', '.join(h for h, _ in agent_reservations(old))}'s agent holds: they leave it with the deallocation, "

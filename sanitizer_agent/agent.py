@@ -550,6 +550,15 @@ class Agent:
         if td.state in DIRTY_STATES and not self._holds(td, claim):
             self._allocation_lost(td, claim)
 
+    def _release_if_glass_broken(self, td: Teardown) -> None:
+        """A failed teardown's claim on which an admin broke glass (scrubgate.dev/break-glass): its devices stay fenced
+        (scrub-failed, until an operator's rescrub), so the agent's hold goes, and with it the claim (the webhook lets
+        its deallocation through, audited)."""
+        claim = self.cluster.get_claim(td.claim.namespace, td.claim.name) if td.claim.name else None
+        glass = ((claim or {}).get("metadata") or {}).get("annotations") or {}
+        if claim is not None and glass.get(names.ANNOTATION_BREAK_GLASS):
+            self.engine.release_hold(td)
+
     def _check_releases(self) -> None:
         for td in self._teardowns():
             if td.state == State.ALLOCATED:
@@ -561,6 +570,9 @@ class Agent:
         self._refresh_slices()
         self._check_releases()
         self._check_holds(TEARING_DOWN)
+        for td in self._teardowns():
+            if td.state == State.FAILED and td.hold is not None:
+                self._guarded(td, lambda td=td: self._release_if_glass_broken(td))
         pods, _ = self.cluster.list_node_pods(self.node)
         if self._observe_list(pods):
             self._check_releases()

@@ -270,12 +270,17 @@ def hold_ops(claim: dict[str, Any], node: str, uid: str) -> list[dict[str, Any]]
 
 
 def hold_release_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
-    """JSON patch of the claim's status removing `node`'s hold (tested in place); None when it has none."""
+    """JSON patch of the claim's status removing `node`'s hold (tested in place, on the claim as read); None when
+    it has none."""
     for index, entry in enumerate(_list(_dict(claim.get("status")).get("reservedFor"))):
         if _is_hold(_dict(entry), node):
             path = f"/status/reservedFor/{index}"
+            # The resourceVersion too: kube-apiserver applies a patch to the object in its watch cache first, and
+            # on a stale one the webhook would see no attestation yet, refuse (and audit) before the API server
+            # retries with the stored object. A failing test stops it before admission.
             return [
                 {"op": "test", "path": "/metadata/uid", "value": _meta(claim).get("uid")},
+                {"op": "test", "path": "/metadata/resourceVersion", "value": _meta(claim).get("resourceVersion")},
                 {"op": "test", "path": path, "value": entry},
                 {"op": "remove", "path": path},
             ]

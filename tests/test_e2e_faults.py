@@ -149,6 +149,19 @@ def deallocation_refused(cluster: Cluster, held: Held) -> bool:
     return bool(cluster.audit_denials("SG007", namespace=held.namespace, name=held.claim, subResource="status"))
 
 
+def kept_for_its_scrub(cluster: Cluster, held: Held) -> bool:
+    """The claim's pod is gone or ended and its allocation stays: the agent's hold keeps the resourceclaim controller
+    from even trying to deallocate it; or, where the agent had not held it yet, the webhook refused its try."""
+    if deallocation_refused(cluster, held):
+        return True
+    claim = cluster.claim(held.namespace, held.claim) or {}
+    pod = cluster.pod(held.namespace, held.pod)
+    ended = pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    holds = any(r.get("apiGroup") == names.RESERVATION_GROUP for r in reserved)
+    return ended and holds and bool((claim.get("status") or {}).get("allocation"))
+
+
 def attested_on_claim(cluster: Cluster, held: Held) -> bool:
     claim = cluster.claim(held.namespace, held.claim) or {}
     return names.ANNOTATION_ATTESTATION in ((claim.get("metadata") or {}).get("annotations") or {})
@@ -375,9 +388,9 @@ def test_agent_killed_at_each_teardown_step(cluster: Cluster, shared_policy: dic
         cluster.core("alice").delete_namespaced_pod("a", ns_a)  # released while the agent is down
     expect_strip_denied(cluster, held)
 
-    # The claim keeps its device until its attestation is on it: the controller's deallocation is refused.
-    what = f"claim {held.claim} deallocated, or its deallocation refused"
-    wait_for(lambda: deallocated(cluster, held) or deallocation_refused(cluster, held), WAIT_S, what)
+    # The claim keeps its device until its attestation is on it: held, or its deallocation refused.
+    what = f"claim {held.claim} deallocated, or kept for its scrub"
+    wait_for(lambda: deallocated(cluster, held) or kept_for_its_scrub(cluster, held), WAIT_S, what)
     assert attested_on_claim(cluster, held) or not deallocated(cluster, held), "deallocated with no attestation"
     # The next tenant asks for exactly that device while the agent is down: not while it is unattested.
     next_tenant(cluster, ns_b, "next", held.uuid)
@@ -652,9 +665,9 @@ def test_every_gpu_fault_keeps_the_device_fenced_until_an_operator_rescrubs(clus
         expect_strip_denied(cluster, h)  # the tenant cannot get a failed claim out of the way either
 
     # Next tenants: one per failed GPU asking for exactly it (refused), one for any GPU (gets the spare).
-    # The failed claims keep their devices: their deallocation is refused until a scrub is attested.
-    what = "the deallocation of each failed claim refused"
-    wait_for(lambda: all(deallocation_refused(cluster, h) for h in held.values()), WAIT_S, what)
+    # The failed claims keep their devices: held, the controller never tries, until a scrub is attested.
+    what = "each failed claim kept for its scrub"
+    wait_for(lambda: all(kept_for_its_scrub(cluster, h) for h in held.values()), WAIT_S, what)
     assert not any(deallocated(cluster, h) for h in held.values())
     for kind, h in held.items():
         next_tenant(cluster, ns_b, f"next-{pod_name(kind)}", h.uuid)

@@ -108,6 +108,7 @@ def test_200_claims_through_their_whole_lifecycle(cluster_factory) -> None:
     # claim meanwhile) and runs admission, and so the audit, once more for it.
     assert len(strips) >= attacks["denied"], (len(strips), attacks)
     assert {r["user"] for r in strips} <= {user for _, user in run.namespaces}
+    # (Of the resourceclaim controller: a pod that ended before the agent held its claim; none with the hold.)
     assert {(r["subResource"], r["user"]) for r in denials if r not in strips} <= {("status", CLAIM_CONTROLLER)}
     assert_invariant(cluster)
 
