@@ -671,7 +671,9 @@ class Cluster:
             if kept != reserved:
                 meta = claim["metadata"]
                 claim["status"]["reservedFor"] = kept
-                self.request("PUT", self.resource_path("resourceclaims", meta["namespace"], meta["name"]) + "/status", claim)
+                self.request(
+                    "PUT", self.resource_path("resourceclaims", meta["namespace"], meta["name"]) + "/status", claim
+                )
 
     def reinstall_scrubgate(self) -> None:
         """scrubgate installed again after `uninstall_scrubgate`: the webhook, its configurations, the agents
