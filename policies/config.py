@@ -75,6 +75,14 @@ class Scheduler(_Model):
     identities: tuple[str, ...] = ("system:kube-scheduler",)
 
 
+class Controller(_Model):
+    # `scrubgate controller`: labels claims allocated while no agent saw them with their node (names.LABEL_NODE),
+    # which only it and the node's own agent may set, change or remove (policies/node_label.py).
+    identities: tuple[str, ...] = (
+        f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.CONTROLLER_SERVICE_ACCOUNT}",
+    )
+
+
 class ScrubCoverage(_Model):
     """What an attestation must show of each GPU's memory before SG007 takes the device as clean: every byte
     accounted for (scrubbed, the driver's reserve, or unreached) and at most this much unreached (the scrub's
@@ -138,6 +146,7 @@ class PolicyConfig(_Model):
     rules: dict[str, RuleSettings] = Field({}, json_schema_extra={"propertyNames": {"enum": list(RULES)}})
     agent: Agent = Agent()
     scheduler: Scheduler = Scheduler()
+    controller: Controller = Controller()
     admin_groups: tuple[str, ...] = Field(("system:masters",), alias="adminGroups")
     attestation_keys: tuple[AttestationKey, ...] = Field((), alias="attestationKeys")
     scrub_coverage: ScrubCoverage = Field(ScrubCoverage(), alias="scrubCoverage")

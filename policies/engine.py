@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import fence_guard, release_guard, rules
+from . import fence_guard, node_label, release_guard, rules
 from .config import PolicyConfig
 from .findings import Finding, Violation, pointer
 from .model import (
@@ -112,6 +112,7 @@ def validate(
         if is_claim(obj) and not stored and _enabled(policy, "SG007"):
             who = admission.requester if admission is not None else Requester()
             found += _findings(policy, "SG007", release_guard.preset_annotations(obj, who, policy))
+            found += _findings(policy, "SG007", node_label.preset_node_label(obj, who, policy))
         return found
     old = admission.old_object
     if admission.operation != "UPDATE" or not isinstance(old, dict):
@@ -120,6 +121,7 @@ def validate(
     found = [f for f in found if (f.rule, f.path, f.message) not in existing]
     if kind_of(obj)[1] == "ResourceClaim" and _enabled(policy, "SG007"):
         found += _guarded(policy, release_guard.finalizer_guard(obj, old, admission.requester, scope))
+        found += _findings(policy, "SG007", node_label.node_label_guard(obj, old, admission.requester, policy))
     return found
 
 

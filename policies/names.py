@@ -15,6 +15,9 @@ TENANCY_TRUSTED: Final = "trusted"
 
 TAINT_UNSANITIZED: Final = "scrubgate.dev/unsanitized"
 ANNOTATION_FENCE_NODE: Final = "scrubgate.dev/node"  # on a fence: the node whose agent placed it
+# On a claim allocated devices of a node: that node. Each agent lists and watches its own node's claims by it (claims
+# cannot be field-selected by node); its agent sets it at first sight, the controller for claims no agent saw.
+LABEL_NODE: Final = "scrubgate.dev/node"
 ANNOTATION_FENCE_CLAIM: Final = "scrubgate.dev/claim"  # on a fence: the claim whose teardown placed it
 # The user's extra in which the API server names the node a token is bound to (a DaemonSet pod's, since 1.32).
 NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
@@ -32,6 +35,7 @@ DEALLOCATION_RETAIN: Final = "Retain"
 SYSTEM_NAMESPACE: Final = "scrubgate-system"
 WEBHOOK_SERVICE_ACCOUNT: Final = "scrubgate-webhook"
 AGENT_SERVICE_ACCOUNT: Final = "scrubgate-agent"
+CONTROLLER_SERVICE_ACCOUNT: Final = "scrubgate-controller"
 WEBHOOK_SERVICE: Final = "scrubgate-webhook"
 
 # Kubernetes' own names that the rules and the agent read.

@@ -24,6 +24,9 @@ class Requester:
     def is_admin(self, policy: PolicyConfig) -> bool:
         return any(group in policy.admin_groups for group in self.groups)
 
+    def is_controller(self, policy: PolicyConfig) -> bool:
+        return self.username in policy.controller.identities
+
     def is_scheduler(self, policy: PolicyConfig) -> bool:
         return self.username in policy.scheduler.identities
 

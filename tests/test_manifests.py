@@ -452,8 +452,8 @@ def claim_writes() -> Iterator[tuple[str, Doc, bool]]:
 
 
 def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
-    """A claim's own UPDATE reaches the webhook only when it changes annotations or the sanitize finalizer, or
-    removes delete-protection while the claim is allocated."""
+    """A claim's own UPDATE reaches the webhook only when it changes annotations, the node label or the sanitize
+    finalizer, or removes delete-protection while the claim is allocated."""
 
     def claim(finalizers: list[str], allocated: bool = False, **annotations: str) -> Doc:
         meta: Doc = {"name": "c", "finalizers": finalizers}
@@ -485,6 +485,24 @@ def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
             claim(ours),
             {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {"a": "b"}}},
             False,
+        ),
+        (
+            "the node label added",
+            claim(ours),
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {names.LABEL_NODE: "n"}}},
+            True,
+        ),
+        (
+            "the node label removed, other labels kept",
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {names.LABEL_NODE: "n", "a": "b"}}},
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {"a": "b"}}},
+            True,
+        ),
+        (
+            "the node label changed",
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {names.LABEL_NODE: "n"}}},
+            {**claim(ours), "metadata": {**claim(ours)["metadata"], "labels": {names.LABEL_NODE: "m"}}},
+            True,
         ),
         ("the agent's scrub status", claim(ours), claim(ours, **status), True),
         (
