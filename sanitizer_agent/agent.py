@@ -1,11 +1,19 @@
 """The node agent: sees allocations on its node, fences them, and tears them down when they are released.
 
-Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), all
-claims at start and every claim resync (claims allocated here whose pods ended while the agent was away: the
+Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), this node's
+claims (list + watch, label selector `scrubgate.dev/node=<node>`: the agent labels a claim at first sight, and
+scrubgate's controller labels those allocated here while no agent looked, whose pods may be long gone: the
 webhook keeps a GPU claim allocated until its scrub is attested), this node's ResourceSlices (to map DRA
 devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared while the agent was away), the
 agent's own checkpoint, and operator rescrub requests. Everything that
 changes state goes through the TeardownEngine; this module decides *when*.
+
+What it reads grows with its node, not with the cluster: no list of every claim, no list of a namespace, and
+no periodic read of each claim it tracks. The lists and the watch of its claims come from the API server's
+watch cache and only prompt a look; a decision that needs the claim as it is now reads it by name (a quorum
+read): before a release starts a scrub (`_check_release`), before an allocation is taken for lost
+(`_check_held`), before break-glass releases a hold (`_release_if_glass_broken`); the TeardownEngine attests
+and releases its hold with resourceVersion-tested patches of a claim it read itself.
 
 A device that may hold a tenant's data is kept from other claims by its claim's allocation, which the webhook
 keeps until the attestation lands; the agent fences it (DeviceTaintRules) only where that allocation cannot
@@ -28,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +56,6 @@ from .claims import (
     holds_devices,
     pod_claim_names,
     pod_finished,
-    pod_owner,
     recorded_devices,
     release_reason,
     scrub_status,
@@ -63,7 +70,7 @@ from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
 from .lanes import Lanes
 from .metrics import AgentMetrics
 from .teardown import Signer, TeardownEngine, TeardownSettings, TransitionHook
-from .unguarded import add_missing_finalizer
+from .unguarded import mark_claim
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +80,11 @@ VERIFIED_STATES = frozenset({State.VERIFIED, State.ATTESTED, State.DONE})
 # Released, not yet verified clean: the allocation of the claim is asked about at each resync.
 TEARING_DOWN = frozenset({State.RELEASED, State.DRAINING, State.SCRUBBING})
 SLICE_REFRESH_S = 5.0
-# Resyncs at which the claims of a namespace are listed after a pod there ended (see _settle_ended_claims).
-ENDED_NAMESPACE_SCANS = 2
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
+
+
+def _glass_broken(claim: dict[str, Any] | None) -> bool:
+    return bool((((claim or {}).get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_BREAK_GLASS))
 
 
 def api_connections(max_concurrent_teardowns: int) -> int:
@@ -93,9 +102,6 @@ class AgentSettings:
     rescrub_dir: Path | None = None
     drain_poll_s: float = 0.05
     resync_s: float = 30.0
-    # Lists of every claim in the cluster, at start and then this often: they find claims whose pods the
-    # agent never saw (its watch broke while one came and went); costly in a big cluster, hence rarer.
-    claim_resync_s: float = 600.0
     watch_timeout_s: int = 300
     api_backoff_s: float = 1.0
     api_backoff_max_s: float = 60.0
@@ -137,13 +143,11 @@ class Agent:
         # controller deallocates it after the attestation; a pod event meanwhile must not start it again.
         self._released: dict[str, tuple[frozenset[str], float]] = {}
         self._ends_looked_at: dict[str, set[str]] = {}  # ended pod uid -> its claims looked at since
-        # (namespace, claim) an ended pod named, not settled when looked at -> the pod's UID (see resync)
-        self._unsettled_ends: dict[tuple[str, str], str] = {}
-        # Namespaces where a pod of this node with claims from templates ended -> resyncs left to list them at
-        self._ended_namespaces: dict[str, int] = {}
+        # Claim UID -> this node's claim as its last list, watch event or read by name showed it (from the watch
+        # cache: what prompts a look, never what a decision rests on)
+        self._seen: dict[str, dict[str, Any]] = {}
         self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
-        self._claims_listed = float("-inf")  # monotonic time of the last list of all claims
         self._unscrubbable: set[DeviceKey] = set()  # devices already logged as not the agent's to scrub
         # Guards the maps above that the lanes change too (finished pods, releases, API backoffs).
         self._lock = threading.Lock()
@@ -209,9 +213,8 @@ class Agent:
                 self._adopt_prepared(prepared)
         pods, _ = with_retries(f"list pods on {self.node}", lambda: self.cluster.list_node_pods(self.node))
         self._observe_list(pods)
-        self._sync_claims(with_retries("list resourceclaims", self.cluster.list_claims))
-        self._claims_listed = time.monotonic()
-        self._check_releases()
+        claims, _ = with_retries(f"list the claims of {self.node}", lambda: self.cluster.list_node_claims(self.node))
+        self._observe_claims(claims)
 
     def _refresh_slices(self) -> None:
         with self._slices_lock:
@@ -276,13 +279,8 @@ class Agent:
         namespace, uid = meta.get("namespace") or "", meta.get("uid") or ""
         finished = kind == "DELETED" or pod_finished(pod)
         if finished and uid:
-            templated = any(
-                (c or {}).get("resourceClaimTemplateName") for c in (pod.get("spec") or {}).get("resourceClaims") or []
-            )
             with self._lock:
                 self._ended[uid] = self.clock()
-                if templated:
-                    self._ended_namespaces[namespace] = ENDED_NAMESPACE_SCANS
             self._live_pods.discard(uid)
         elif uid:
             self._live_pods.add(uid)
@@ -303,7 +301,7 @@ class Agent:
                 claim = self.cluster.get_claim(namespace, name)
             except ClusterError as exc:
                 log.warning("cannot get claim %s/%s of pod %s: %s; the next resync retries", namespace, name, uid, exc)
-                self._look_again_at_end(uid, namespace, name)
+                self._look_again_at_end(uid, name)
                 continue
             if claim is None:
                 if known is not None:
@@ -312,11 +310,12 @@ class Agent:
             if finished and not allocated_devices(claim) and not recorded_devices(claim):
                 # kube-controller-manager (1.37) makes a new claim from the template for a pod that has ended
                 # once it deleted the pod's claim, then deletes that one too. It never holds a device: its
-                # finalizer goes once it is being deleted, not at the claim resync minutes later.
+                # finalizer goes once it is being deleted. Where that comes after the pod's last event,
+                # scrubgate's controller removes it (its informer sees every claim).
                 if deleted_before_allocation(claim):
                     self._drop_finalizer(claim)
                 else:
-                    self._look_again_at_end(uid, namespace, name)
+                    self._look_again_at_end(uid, name)
                 continue
             self._follow(claim)
 
@@ -325,7 +324,8 @@ class Agent:
         released."""
         td = self._track(claim)
         if td is not None:
-            self._submit(td, lambda: self._check_release(td, claim))
+            self._remember(claim)
+            self._submit(td, lambda: self._check_release(td), "check-release")
 
     def _first_look_at_end(self, pod_uid: str, claim_name: str) -> bool:
         with self._lock:
@@ -334,11 +334,10 @@ class Agent:
             looked.add(claim_name)
         return first
 
-    def _look_again_at_end(self, pod_uid: str, namespace: str, claim_name: str) -> None:
-        """At the pod's next event, and at each resync, should the pod have had its last event."""
+    def _look_again_at_end(self, pod_uid: str, claim_name: str) -> None:
+        """At the pod's next event."""
         with self._lock:
             self._ends_looked_at.get(pod_uid, set()).discard(claim_name)
-            self._unsettled_ends[(namespace, claim_name)] = pod_uid
 
     def _observe_list(self, pods: list[dict[str, Any]]) -> bool:
         """A full list of this node's pods. A running pod that is not in it may have gone though no watch said
@@ -351,9 +350,9 @@ class Agent:
         return bool(vanished)
 
     def _sync_claims(self, claims: list[dict[str, Any]]) -> None:
-        """Claims allocated devices of this node that no pod of it led the agent to: allocated and released
-        while it was down. The webhook keeps such a claim allocated until its scrub is attested, so it is
-        here however late the agent looks."""
+        """This node's claims as listed or watched, among them those no pod of it led the agent to: allocated
+        and released while it was down (scrubgate's controller labelled them). The webhook keeps such a claim
+        allocated until its scrub is attested, so it is here however late the agent looks."""
         for claim in claims:
             uid = (claim.get("metadata") or {}).get("uid")
             known = self.store.teardowns.get(uid or "")
@@ -367,16 +366,14 @@ class Agent:
                     self._guarded(known, lambda td=known: self.engine.advance(td))
             if not uid or uid in self.store.teardowns:
                 continue
-            if deleted_before_allocation(claim):
-                self._drop_finalizer(claim)
-                continue
             if not any(key in self._slices for key in allocated_devices(claim)):
                 continue
             self._follow(claim)
 
     def _drop_finalizer(self, claim: dict[str, Any]) -> None:
         """A claim deleted before it ever held a device: nothing to scrub, and no agent will attest it, so its
-        finalizer goes (the webhook allows it). Every node's agent may try; the patch's tests let one win."""
+        finalizer goes (the webhook allows it). scrubgate's controller may try too; the patch's tests let one
+        win."""
         meta = claim.get("metadata") or {}
         ops = finalizer_removal_ops(claim, None)
         if ops is None:
@@ -390,7 +387,7 @@ class Agent:
                 names.FINALIZER,
             )
         except (Conflict, NotFound):
-            pass  # another node's agent was first, or it changed: the next resync looks again
+            pass  # the controller was first, or it changed: the controller's informer sees it again
         except ClusterError as exc:
             log.warning(
                 "claim %s/%s: cannot remove %s: %s", meta.get("namespace"), meta.get("name"), names.FINALIZER, exc
@@ -498,17 +495,18 @@ class Agent:
                 self._backoff(td, exc)
             return td
 
-    def _check_release(self, td: Teardown, claim: dict[str, Any] | None = None) -> None:
+    def _check_release(self, td: Teardown) -> None:
         if td.state != State.ALLOCATED:
             return
-        if claim is None and td.claim.name:
-            claim = self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        claim, cached = self._claim_of(td)
         if claim is not None and (claim.get("metadata") or {}).get("uid") == td.claim.uid:
-            add_missing_finalizer(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
-        reason = release_reason(claim, td.claim.uid, self._ended)
-        if reason is None and claim is not None:
-            self._note_ended_consumers(claim)
-            reason = release_reason(claim, td.claim.uid, self._ended)
+            mark_claim(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
+        reason = self._release_reason(td, claim)
+        if reason and cached:
+            # A release starts the drain and the scrub: decided on the claim as it is now (a quorum read), never
+            # on the watch cache's copy, which may miss a pod that the shared claim was reserved for since.
+            claim = self._read(td)
+            reason = self._release_reason(td, claim)
         if reason:
             if not self._holds(td, claim):
                 self._allocation_lost(td, claim)
@@ -517,6 +515,33 @@ class Agent:
             with self._lock:
                 self._released[td.claim.uid] = (frozenset(uid for _, uid in consumers), self.clock())
             self.engine.release(td, reason, consumers, claim)
+
+    def _release_reason(self, td: Teardown, claim: dict[str, Any] | None) -> str | None:
+        reason = release_reason(claim, td.claim.uid, self._ended)
+        if reason is None and claim is not None:
+            self._note_ended_consumers(claim)
+            reason = release_reason(claim, td.claim.uid, self._ended)
+        return reason
+
+    def _claim_of(self, td: Teardown) -> tuple[dict[str, Any] | None, bool]:
+        """The teardown's claim as this node's list or watch last showed it (True: from the watch cache), or, where
+        they do not show it (deleted, or not labelled yet), read by name."""
+        seen = self._seen.get(td.claim.uid)
+        return (seen, True) if seen is not None else (self._read(td), False)
+
+    def _read(self, td: Teardown) -> dict[str, Any] | None:
+        """The teardown's claim as it is now: a GET without resourceVersion, which the API server answers from
+        etcd."""
+        claim = self.cluster.get_claim(td.claim.namespace, td.claim.name) if td.claim.name else None
+        if claim is not None and (claim.get("metadata") or {}).get("uid") == td.claim.uid:
+            self._remember(claim)
+        return claim
+
+    def _remember(self, claim: dict[str, Any]) -> None:
+        uid = (claim.get("metadata") or {}).get("uid")
+        if isinstance(uid, str) and uid:
+            with self._lock:
+                self._seen[uid] = claim
 
     def _holds(self, td: Teardown, claim: dict[str, Any] | None) -> bool:
         return holds_devices(claim, td.claim.uid, [(d.driver, d.pool, d.device) for d in td.devices])
@@ -546,7 +571,11 @@ class Agent:
                 self._guarded(td, lambda td=td: self._check_held(td))
 
     def _check_held(self, td: Teardown) -> None:
-        claim = self.cluster.get_claim(td.claim.namespace, td.claim.name) if td.claim.name else None
+        if td.state not in DIRTY_STATES:
+            return
+        claim, cached = self._claim_of(td)
+        if not self._holds(td, claim) and cached:
+            claim = self._read(td)  # an allocation taken for lost is an alarm: confirmed on the claim as it is now
         if td.state in DIRTY_STATES and not self._holds(td, claim):
             self._allocation_lost(td, claim)
 
@@ -554,78 +583,69 @@ class Agent:
         """A failed teardown's claim on which an admin broke glass (scrubgate.dev/break-glass): its devices stay fenced
         (scrub-failed, until an operator's rescrub), so the agent's hold goes, and with it the claim (the webhook lets
         its deallocation through, audited)."""
-        claim = self.cluster.get_claim(td.claim.namespace, td.claim.name) if td.claim.name else None
-        glass = ((claim or {}).get("metadata") or {}).get("annotations") or {}
-        if claim is not None and glass.get(names.ANNOTATION_BREAK_GLASS):
+        claim, cached = self._claim_of(td)
+        if _glass_broken(claim) and cached:
+            claim = self._read(td)  # the hold goes on the claim as it is now
+        if _glass_broken(claim):
             self.engine.release_hold(td)
+
+    def _check(self, td: Teardown) -> None:
+        """What a look at its claim may change for a teardown: its release, the loss of its allocation while it may
+        be dirty, break-glass on a failed one."""
+        if td.state == State.ALLOCATED:
+            self._submit(td, lambda: self._check_release(td), "check-release")
+        elif td.state in TEARING_DOWN and td.fenced is None:
+            self._guarded(td, lambda: self._check_held(td))
+        elif td.state == State.FAILED and td.hold is not None:
+            self._guarded(td, lambda: self._release_if_glass_broken(td))
 
     def _check_releases(self) -> None:
         for td in self._teardowns():
             if td.state == State.ALLOCATED:
                 self._submit(td, lambda td=td: self._check_release(td), "check-release")
 
+    def _observe_claims(self, claims: list[dict[str, Any]]) -> None:
+        """A list of this node's claims (at start, at each resync, when the claim watch starts again): claims new to
+        the agent are taken up, and every teardown is looked at against its claim as listed. A list from the watch
+        cache may be a little behind: that is safe here, since it only prompts looks. A claim it misses was
+        labelled since (its watch event follows) or is gone (read by name); what a look decides rests on a
+        quorum read or a resourceVersion-tested write; and the webhook keeps a used claim allocated until its
+        scrub is attested, so a late look loses nothing."""
+        known = self._teardowns()
+        with self._lock:
+            self._seen = {uid: c for c in claims if (uid := (c.get("metadata") or {}).get("uid"))}
+        self._sync_claims(claims)
+        for td in known:
+            self._check(td)
+
+    def observe_claim(self, kind: str, claim: dict[str, Any]) -> None:
+        """A watch event of one of this node's claims (DELETED: deleted, or its node label gone)."""
+        uid = (claim.get("metadata") or {}).get("uid") or ""
+        if kind == "DELETED":
+            with self._lock:
+                self._seen.pop(uid, None)
+        else:
+            self._remember(claim)
+        td = self.store.teardowns.get(uid)
+        if td is not None:
+            self._check(td)
+        elif kind != "DELETED":
+            self._sync_claims([claim])
+
     def resync(self) -> None:
-        """Periodic full look: claims still allocated (released first, so that a claim re-created under an
-        old name is seen as new), pods (in case a watch event was lost), all claims, slices."""
+        """Periodic full look: this node's claims (first, so that a claim re-created under an old name is seen
+        as new), pods (in case a watch event was lost), slices."""
         self._refresh_slices()
-        self._check_releases()
-        self._check_holds(TEARING_DOWN)
-        for td in self._teardowns():
-            if td.state == State.FAILED and td.hold is not None:
-                self._guarded(td, lambda td=td: self._release_if_glass_broken(td))
+        claims, _ = self.cluster.list_node_claims(self.node)
+        self._observe_claims(claims)
         pods, _ = self.cluster.list_node_pods(self.node)
         if self._observe_list(pods):
             self._check_releases()
-        if time.monotonic() - self._claims_listed >= self.settings.claim_resync_s:
-            self._sync_claims(self.cluster.list_claims())
-            self._claims_listed = time.monotonic()
         cutoff = self.clock() - FINISHED_POD_MEMORY_S
         with self._lock:
             self._ended = {uid: at for uid, at in self._ended.items() if at >= cutoff}
             self._ends_looked_at = {uid: n for uid, n in self._ends_looked_at.items() if uid in self._ended}
-            self._unsettled_ends = {k: uid for k, uid in self._unsettled_ends.items() if uid in self._ended}
             self._released = {uid: r for uid, r in self._released.items() if r[1] >= cutoff}
-        self._settle_ended_claims()
-
-    def _settle_ended_claims(self) -> None:
-        """Claims an ended pod owns that were neither allocated nor being deleted yet when looked at.
-        kube-controller-manager (1.37) makes such a claim from the template for a pod that has ended, names it in
-        the pod's status and deletes it moments later, often after the pod's last event (a Job's pod deleted once
-        it finished); where the pod went before its status named the claim, the garbage collector deletes the
-        claim and no pod event ever names it. So the claims of namespaces where such pods ended are listed at the
-        next resyncs, and those owned by ended pods asked about again until they are gone: their finalizer goes
-        within a resync or two, not at the claim resync minutes later."""
-        with self._lock:
-            scan = list(self._ended_namespaces)
-            self._ended_namespaces = {ns: n - 1 for ns, n in self._ended_namespaces.items() if n > 1}
-            finished = set(self._ended)
-        for namespace in scan:
-            try:
-                claims = self.cluster.list_claims(namespace)
-            except ClusterError as exc:
-                log.warning("cannot list the claims of namespace %s: %s; the next resync retries", namespace, exc)
-                with self._lock:
-                    self._ended_namespaces.setdefault(namespace, 1)
-                continue
-            for claim in claims:
-                owner = pod_owner(claim)
-                if owner in finished and not allocated_devices(claim) and not recorded_devices(claim):
-                    key = (namespace, (claim.get("metadata") or {}).get("name") or "")
-                    with self._lock:
-                        self._unsettled_ends.setdefault(key, owner)
-        with self._lock:
-            pending = list(self._unsettled_ends)
-        for namespace, name in pending:
-            try:
-                claim = self.cluster.get_claim(namespace, name)
-            except ClusterError as exc:
-                log.warning("cannot get claim %s/%s of an ended pod: %s; the next resync retries", namespace, name, exc)
-                continue
-            if claim is None or allocated_devices(claim) or recorded_devices(claim):
-                with self._lock:  # gone, or the claim resync's and the pod events' to follow
-                    self._unsettled_ends.pop((namespace, name), None)
-            elif deleted_before_allocation(claim):
-                self._drop_finalizer(claim)  # looked at again until gone: the removal may have met a conflict
 
     # ---------------------------------------------------------------- the loop
 
@@ -765,7 +785,14 @@ class Agent:
     def _run(self, stop: threading.Event) -> None:
         self.start()
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        threading.Thread(target=self._watch, args=(events, stop), name="agent-watch", daemon=True).start()
+        pods = Watched(f"pods on node {self.node}", self.cluster.list_node_pods, self.cluster.watch_node_pods, "POD")
+        claims = Watched(
+            f"claims of node {self.node}", self.cluster.list_node_claims, self.cluster.watch_node_claims, "CLAIM"
+        )
+        for watched in (pods, claims):
+            threading.Thread(
+                target=self._watch, args=(watched, events, stop), name=f"agent-watch-{watched.tag}", daemon=True
+            ).start()
         # Wakes the loop from its wait as soon as `stop` is set (SIGTERM), not at the next resync.
         threading.Thread(target=lambda: (stop.wait(), events.put(("STOP", None))), daemon=True).start()
         next_resync = time.monotonic() + self.settings.resync_s
@@ -794,7 +821,9 @@ class Agent:
             unseen = {
                 (namespace, name): None
                 for kind, payload in batch
-                for pod in (payload if kind == "LIST" else [payload] if kind in ("ADDED", "MODIFIED") else [])
+                for pod in (
+                    payload if kind == "POD-LIST" else [payload[1]] if kind == "POD" and payload[0] != "DELETED" else []
+                )
                 if not pod_finished(pod)
                 for namespace in [(pod.get("metadata") or {}).get("namespace") or ""]
                 for name in pod_claim_names(pod)
@@ -816,34 +845,47 @@ class Agent:
 
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item
-        if kind == "STOP":
-            return
-        if kind == "LIST":
+        if kind == "POD-LIST":
             self._observe_list(payload)
             self._check_releases()
-        else:
-            self.observe_pod(kind, payload)
+        elif kind == "POD":
+            self.observe_pod(*payload)
+        elif kind == "CLAIM-LIST":
+            self._observe_claims(payload)
+        elif kind == "CLAIM":
+            self.observe_claim(*payload)
 
-    def _watch(self, events: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
-        """List, then watch from the list's version; on any error list again after a backoff."""
+    def _watch(self, watched: Watched, events: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
+        """List, then watch from the list's version (again from the last event's on a timeout); list again on
+        410 Gone, and after a backoff on any other error."""
         delay = self.settings.api_backoff_s
         while not stop.is_set():
             try:
-                pods, version = self.cluster.list_node_pods(self.node)
-                events.put(("LIST", pods))
+                items, version = watched.list(self.node)
+                events.put((f"{watched.tag}-LIST", items))
                 delay = self.settings.api_backoff_s
                 while not stop.is_set():
-                    for kind, pod in self.cluster.watch_node_pods(self.node, version, self.settings.watch_timeout_s):
-                        version = (pod.get("metadata") or {}).get("resourceVersion") or version
+                    for kind, obj in watched.watch(self.node, version, self.settings.watch_timeout_s):
+                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
                         if kind != "BOOKMARK":
-                            events.put((kind, pod))
+                            events.put((watched.tag, (kind, obj)))
                         if stop.is_set():
                             return
             except ClusterError as exc:
                 if exc.status != 410:
-                    log.warning("watch of pods on node %s failed (%s); listing again in %.0fs", self.node, exc, delay)
+                    log.warning("watch of %s failed (%s); listing again in %.0fs", watched.what, exc, delay)
                     stop.wait(delay)
                     delay = min(delay * 2, self.settings.api_backoff_max_s)
             except Exception:
-                log.exception("watch of pods on node %s crashed; listing again in %.0fs", self.node, delay)
+                log.exception("watch of %s crashed; listing again in %.0fs", watched.what, delay)
                 stop.wait(delay)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the agent lists and watches: its node's pods, its node's claims."""
+
+    what: str
+    list: Callable[[str], tuple[list[dict[str, Any]], str]]
+    watch: Callable[[str, str, int], Iterator[tuple[str, dict[str, Any]]]]
+    tag: str

@@ -335,6 +335,24 @@ def finalizer_addition_ops(claim: dict[str, Any]) -> list[dict[str, Any]] | None
     ]
 
 
+def node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
+    """JSON patch labelling the claim with its node (`scrubgate.dev/node`, by which that node's agent lists and
+    watches its claims), guarded by its UID and, where it has no labels yet, its resourceVersion; None when it has
+    the label already."""
+    meta = _meta(claim)
+    labels = meta.get("labels")
+    if isinstance(labels, dict) and labels.get(names.LABEL_NODE) == node:
+        return None
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
+    if isinstance(labels, dict):
+        return [*ops, {"op": "add", "path": f"/metadata/labels/{_escape(names.LABEL_NODE)}", "value": node}]
+    return [
+        *ops,
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "add", "path": "/metadata/labels", "value": {names.LABEL_NODE: node}},
+    ]
+
+
 def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 

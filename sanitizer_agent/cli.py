@@ -81,13 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an allocation lasts before its record (scrubgate.dev/devices) goes on the claim; one "
         "released sooner gets it with its attestation (default %(default)s)",
     )
-    parser.add_argument("--resync", type=float, default=30.0, help="seconds between full resyncs")
     parser.add_argument(
-        "--claim-resync",
+        "--resync",
         type=float,
-        default=600.0,
-        help="seconds between lists of all ResourceClaims (besides at start), for claims whose pods this agent "
-        "never saw; each list reads every claim in the cluster",
+        default=30.0,
+        help="seconds between full resyncs (lists of this node's pods and claims, from the API server's cache)",
     )
     parser.add_argument(
         "--max-concurrent-teardowns",
@@ -249,7 +247,6 @@ def _run_agent(args: argparse.Namespace) -> int:
         nvidia_checkpoint=Path(args.nvidia_checkpoint) if args.nvidia_checkpoint else None,
         rescrub_dir=request_dir(checkpoint),
         resync_s=args.resync,
-        claim_resync_s=args.claim_resync,
         max_concurrent_teardowns=args.max_concurrent_teardowns,
     )
     metrics = AgentMetrics()

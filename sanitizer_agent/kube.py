@@ -6,10 +6,10 @@ through `ApiClient` rather than the typed models: the agent reads several `resou
 (DeviceTaintRule is v1, v1beta2 or v1alpha3 depending on the cluster) and works on plain dicts, the
 same ones the policy core reads.
 
-At scale each agent lists and watches only its own node's pods (field selector `spec.nodeName`) and
-gets their claims by name: there is no cluster-wide claim watch per node. Only at start and every claim
-resync (10 minutes by default) does it list all claims, to find those allocated here whose pods ended
-while it was not looking.
+At scale each agent lists and watches only its own node's pods (field selector `spec.nodeName`) and its own
+node's claims (label selector `scrubgate.dev/node=<node>`: claims cannot be field-selected by node; the agent
+labels a claim at first sight, scrubgate's controller labels those allocated while no agent looked), and gets
+claims by name where a decision needs the latest. No request of an agent reads what grows with the cluster.
 """
 
 from __future__ import annotations
@@ -65,9 +65,14 @@ class ClusterClient(Protocol):
         """The ResourceClaim, or None when it does not exist."""
         ...
 
-    def list_claims(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """Every ResourceClaim in the cluster (at start and every claim resync: claims whose pods are gone), or
-        in one namespace."""
+    def list_node_claims(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        """The claims labelled with `node` (names.LABEL_NODE) as the API server's watch cache has them
+        (resourceVersion "0": possibly a little behind, never a read of etcd), and the list's resourceVersion."""
+        ...
+
+    def watch_node_claims(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        """(event type, claim) for the claims labelled with `node` from `resource_version`, as `watch_node_pods`.
+        A claim whose label goes comes as DELETED."""
         ...
 
     def patch_claim(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
@@ -270,25 +275,41 @@ class KubernetesClusterClient:
         return self._list("/api/v1/pods", [("fieldSelector", f"spec.nodeName={node}")])
 
     def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        selector = ("fieldSelector", f"spec.nodeName={node}")
+        return self._watch("/api/v1/pods", selector, resource_version, timeout_s, f"pods on {node}")
+
+    def list_node_claims(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        # One page: resourceVersion "0" is served from the watch cache, and one node has few claims.
+        query = [("labelSelector", f"{names.LABEL_NODE}={node}"), ("resourceVersion", "0")]
+        found = self._call("GET", self._claims_path(), query=query)
+        return found.get("items") or [], (found.get("metadata") or {}).get("resourceVersion") or ""
+
+    def watch_node_claims(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        selector = ("labelSelector", f"{names.LABEL_NODE}={node}")
+        return self._watch(self._claims_path(), selector, resource_version, timeout_s, f"claims of {node}")
+
+    def _watch(
+        self, path: str, selector: tuple[str, str], resource_version: str, timeout_s: int, what: str
+    ) -> Iterator[tuple[str, dict]]:
         from urllib3.exceptions import HTTPError
 
         query = [
-            ("fieldSelector", f"spec.nodeName={node}"),
+            selector,
             ("watch", "true"),
             ("allowWatchBookmarks", "true"),
             ("resourceVersion", resource_version),
             ("timeoutSeconds", str(timeout_s)),
         ]
-        response = self._send("GET", "/api/v1/pods", query=query, stream=True, timeout_s=timeout_s + 10)
+        response = self._send("GET", path, query=query, stream=True, timeout_s=timeout_s + 10)
         try:
             for line in _lines(response):
                 event = json.loads(line)
                 kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":
-                    raise ClusterError(f"watch of pods on {node}: {obj.get('message')}", int(obj.get("code") or 0))
+                    raise ClusterError(f"watch of {what}: {obj.get('message')}", int(obj.get("code") or 0))
                 yield kind, obj
         except (HTTPError, OSError) as exc:  # the stream broke (an API server restart): an outage, not a bug
-            raise ClusterError(f"watch of pods on {node}: connection to the API server lost: {exc}", 0) from exc
+            raise ClusterError(f"watch of {what}: connection to the API server lost: {exc}", 0) from exc
         finally:
             response.release_conn()
 
@@ -297,9 +318,6 @@ class KubernetesClusterClient:
             return self._call("GET", self._claims_path(namespace, name))
         except NotFound:
             return None
-
-    def list_claims(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        return self._list(self._claims_path(namespace), [])[0]
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -2,7 +2,9 @@
 relies on them (JSON patch with `test` ops, resourceVersion bumps, finalizers holding a deleted object,
 idempotent create/delete of DeviceTaintRules, discovery of the served DeviceTaintRule version), and the
 resourceclaim controller's deallocation as the webhook's SG007 lets it through (`guard`): refused until the
-claim may go, and retried at every change of the claim, as the controller requeues it.
+claim may go, and retried at every change of the claim, as the controller requeues it. A claim allocated here
+carries its node's label (`scrubgate.dev/node`), as scrubgate's controller labels it, unless `add_claim` is told
+otherwise. `requests()` counts the calls by operation (tests assert what an agent does not ask).
 
 A test double for the agent's unit tests and its overhead benchmark (bench/agent_overhead.py); not shipped.
 `hook(operation, args)` runs before every call and may raise (an API error, or a simulated crash). The real
@@ -11,6 +13,7 @@ client is exercised against a real kube-apiserver (tests/k8s_support.py, devclus
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import queue
@@ -51,6 +54,11 @@ class InMemoryCluster:
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._watchers: list[queue.Queue[tuple[str, dict[str, Any]]]] = []
+        self._claim_watchers: list[queue.Queue[tuple[str, dict[str, Any]]]] = []
+
+    def requests(self) -> collections.Counter[str]:
+        """How many calls of each operation the agent made."""
+        return collections.Counter(self.calls)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -65,6 +73,38 @@ class InMemoryCluster:
     def _notify(self, kind: str, pod: dict[str, Any]) -> None:
         for watcher in list(self._watchers):
             watcher.put((kind, copy.deepcopy(pod)))
+
+    def _claim_changed(self, namespace: str, name: str, kind: str = "MODIFIED") -> None:
+        claim = self.claims.get((namespace, name))
+        if claim is not None:
+            for watcher in list(self._claim_watchers):
+                watcher.put((kind, copy.deepcopy(claim)))
+
+    @staticmethod
+    def _labelled(claim: dict[str, Any], node: str) -> bool:
+        return (claim["metadata"].get("labels") or {}).get(names.LABEL_NODE) == node
+
+    @staticmethod
+    def _watch(
+        watchers: list[queue.Queue[tuple[str, dict[str, Any]]]],
+        lock: threading.RLock,
+        timeout_s: int,
+        wanted: Callable[[dict[str, Any]], bool],
+    ) -> Iterator[tuple[str, dict]]:
+        watcher: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        with lock:
+            watchers.append(watcher)
+        try:
+            while True:
+                try:
+                    kind, obj = watcher.get(timeout=timeout_s)
+                except queue.Empty:
+                    return
+                if wanted(obj):
+                    yield kind, obj
+        finally:
+            with lock:
+                watchers.remove(watcher)
 
     @staticmethod
     def _patch(obj: dict[str, Any], ops: list[dict[str, Any]], what: str) -> dict[str, Any]:
@@ -86,32 +126,23 @@ class InMemoryCluster:
 
     def watch_node_pods(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
         self._call("watch_node_pods", node, resource_version)
-        watcher: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        return self._watch(self._watchers, self._lock, timeout_s, lambda pod: pod["spec"].get("nodeName") == node)
+
+    def list_node_claims(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        self._call("list_node_claims", node)
         with self._lock:
-            self._watchers.append(watcher)
-        try:
-            while True:
-                try:
-                    kind, pod = watcher.get(timeout=timeout_s)
-                except queue.Empty:
-                    return
-                if pod["spec"].get("nodeName") == node:
-                    yield kind, pod
-        finally:
-            with self._lock:
-                self._watchers.remove(watcher)
+            found = [copy.deepcopy(c) for c in self.claims.values() if self._labelled(c, node)]
+            return found, str(next(self._versions))
+
+    def watch_node_claims(self, node: str, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        self._call("watch_node_claims", node, resource_version)
+        return self._watch(self._claim_watchers, self._lock, timeout_s, lambda claim: self._labelled(claim, node))
 
     def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         self._call("get_claim", namespace, name)
         with self._lock:
             claim = self.claims.get((namespace, name))
             return copy.deepcopy(claim) if claim else None
-
-    def list_claims(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        # Recorded apart: tests count the lists of all claims, which a big cluster pays for.
-        self._call("list_claims" if namespace is None else "list_namespace_claims", namespace)
-        with self._lock:
-            return [copy.deepcopy(c) for (ns, _), c in self.claims.items() if namespace in (None, ns)]
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         self._call("get_pod", namespace, name)
@@ -138,6 +169,7 @@ class InMemoryCluster:
             patched = self._patch(claim, ops, f"resourceclaim {namespace}/{name}")
             self._bump(patched)
             self.claims[(namespace, name)] = patched
+            self._claim_changed(namespace, name)
             self._settle_claim(namespace, name)
             return copy.deepcopy(patched)
 
@@ -159,6 +191,7 @@ class InMemoryCluster:
             stored = {**claim, "status": patched.get("status", {})}
             self._bump(stored)
             self.claims[(namespace, name)] = stored
+            self._claim_changed(namespace, name)
             self._settle_claim(namespace, name)
             return copy.deepcopy(stored)
 
@@ -170,6 +203,7 @@ class InMemoryCluster:
             self.deallocate(namespace, name)
         claim = self.claims.get(key)
         if claim is not None and claim["metadata"].get("deletionTimestamp") and not claim["metadata"].get("finalizers"):
+            self._claim_changed(namespace, name, "DELETED")
             del self.claims[key]
             self._deallocating.discard(key)
 
@@ -287,9 +321,11 @@ class InMemoryCluster:
         finalizer: bool = True,
         annotations: dict[str, str] | None = None,
         admin_access: bool = False,
+        labelled: bool = True,
     ) -> dict[str, Any]:
         """An allocated ResourceClaim (as the scheduler leaves it), with the webhook's finalizer unless not
-        `finalizer`."""
+        `finalizer`, and the label of its devices' node (their pool, as NVIDIA's driver names it) unless not
+        `labelled` (scrubgate's controller has not labelled it, nor an agent)."""
         with self._lock:
             claim: dict[str, Any] = {
                 "apiVersion": f"{names.RESOURCE_GROUP}/v1",
@@ -326,8 +362,11 @@ class InMemoryCluster:
             }
             if annotations:
                 claim["metadata"]["annotations"] = dict(annotations)
+            if labelled and devices:
+                claim["metadata"]["labels"] = {names.LABEL_NODE: devices[0][1]}
             self._bump(claim)
             self.claims[(namespace, name)] = claim
+            self._claim_changed(namespace, name, "ADDED")
             return copy.deepcopy(claim)
 
     def add_pod(self, namespace: str, name: str, node: str, claims: list[str]) -> dict[str, Any]:
@@ -351,6 +390,7 @@ class InMemoryCluster:
                 claim = self.claims[(namespace, claim_name)]
                 claim["status"]["reservedFor"].append({"resource": "pods", "name": name, "uid": uid})
                 self._bump(claim)
+                self._claim_changed(namespace, claim_name)
             self._bump(pod)
             self.pods[uid] = pod
             self._notify("ADDED", pod)
@@ -397,6 +437,7 @@ class InMemoryCluster:
             finalizers = claim["metadata"].get("finalizers") or []
             claim["metadata"]["finalizers"] = [f for f in finalizers if f != names.DELETE_PROTECTION_FINALIZER]
             self._bump(claim)
+            self._claim_changed(namespace, name)
             self._settle_claim(namespace, name)
             return True
 
@@ -406,7 +447,9 @@ class InMemoryCluster:
             if claim["metadata"].get("finalizers"):
                 claim["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
                 self._bump(claim)
+                self._claim_changed(namespace, name)
             else:
+                self._claim_changed(namespace, name, "DELETED")
                 del self.claims[(namespace, name)]
 
     def taints_on(self, driver: str, pool: str, device: str) -> list[str]:

@@ -355,7 +355,7 @@ def test_a_burst_of_allocations_is_read_side_by_side(node):
         node.job_ends(agent, "old", (0,))
         assert started(scrubs, 1)  # a scrub runs all along
         pods = [node.tenant(name, [i])[1] for name, i in (("a", 1), ("b", 2))]
-        agent.observe_batch([("ADDED", pod) for pod in pods])
+        agent.observe_batch([("POD", ("ADDED", pod)) for pod in pods])
         assert not both.broken and {"a", "b"} <= {td.claim.name for td in agent.store.teardowns.values()}
         scrubs.gate.set()
         settle(node, agent)
@@ -417,7 +417,7 @@ def test_weak_fences_of_teardowns_side_by_side_stand_while_any_device_is_dirty(t
         pods = [node.tenant(f"job-{i}", [i])[1] for i in range(3)]
         for pod in pods:
             agent.observe_pod("ADDED", pod)
-        agent.observe_batch([("MODIFIED", node.finish(pod, controller=False)) for pod in pods])
+        agent.observe_batch([("POD", ("MODIFIED", node.finish(pod, controller=False))) for pod in pods])
         settle(node, agent)
     finally:
         agent.close()

@@ -3,6 +3,7 @@ KubernetesClusterClient against a real kube-apiserver (tests/k8s_support.py), in
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import urllib.request
@@ -289,8 +290,9 @@ def test_real_client_whole_teardown_against_the_api_server(tmp_path):
 
 
 def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_path):
-    """list_claims (all namespaces) and get_pod (404 is None) over HTTP: the pod is deleted before the agent
-    ever runs, and its claim, still allocated, is found, scrubbed and released at start."""
+    """list_node_claims and watch_node_claims (the node's label) and get_pod (404 is None) over HTTP: the pod is
+    deleted before the agent ever runs, and its claim, still allocated and labelled by scrubgate's controller, is
+    found, scrubbed and released at start. Claims of other nodes, or of none, are not listed."""
     node = make_node(tmp_path)
     with api_server(tmp_path) as plane:
         api = plane.admin_client()
@@ -299,13 +301,18 @@ def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_
         claim = seed_api(node, cluster, core)
         simulated.fill(node.root, node.gpus[0].uuid, CANARY)
         core.create_namespace({"metadata": {"name": "team-b"}})
-        cluster._call("POST", "/apis/resource.k8s.io/v1/namespaces/team-b/resourceclaims", body={
-            "metadata": {"name": "other"}, "spec": {"devices": {"requests": []}},
-        })  # fmt: skip
-        assert {(c["metadata"]["namespace"], c["metadata"]["name"]) for c in cluster.list_claims()} == {
-            ("team-a", "train"),
-            ("team-b", "other"),
-        }
+        for name, labels in (("other", {names.LABEL_NODE: "gpu-node-2"}), ("unplaced", {})):
+            cluster._call("POST", "/apis/resource.k8s.io/v1/namespaces/team-b/resourceclaims", body={
+                "metadata": {"name": name, "labels": labels}, "spec": {"devices": {"requests": []}},
+            })  # fmt: skip
+        assert cluster.list_node_claims(NODE)[0] == []
+        _, version = cluster.list_node_claims(NODE)
+        label = [{"op": "add", "path": "/metadata/labels", "value": {names.LABEL_NODE: NODE}}]
+        cluster.patch_claim("team-a", "train", label)  # what the controller does
+        (event,) = itertools.islice(cluster.watch_node_claims(NODE, version, 10), 1)
+        assert event[0] == "ADDED" and event[1]["metadata"]["name"] == "train", "its label brings it in"
+        listed, _ = cluster.list_node_claims(NODE)
+        assert [c["metadata"]["name"] for c in listed] == ["train"]
         assert cluster.get_pod("team-a", "train-0")["metadata"]["uid"] == claim["status"]["reservedFor"][0]["uid"]
         core.delete_namespaced_pod("train-0", "team-a", grace_period_seconds=0)
         assert cluster.get_pod("team-a", "train-0") is None
