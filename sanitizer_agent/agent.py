@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +66,7 @@ from .claims import (
 from .device_access import require_device_access
 from .fences import Fencer
 from .gpu import GpuBackend
+from .informer import Backoff, follow
 from .kube import ClusterClient, ClusterError, Conflict, NotFound, with_retries
 from .lanes import Lanes
 from .metrics import AgentMetrics
@@ -785,13 +786,26 @@ class Agent:
     def _run(self, stop: threading.Event) -> None:
         self.start()
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        pods = Watched(f"pods on node {self.node}", self.cluster.list_node_pods, self.cluster.watch_node_pods, "POD")
-        claims = Watched(
-            f"claims of node {self.node}", self.cluster.list_node_claims, self.cluster.watch_node_claims, "CLAIM"
+        backoff = Backoff(self.settings.watch_timeout_s, self.settings.api_backoff_s, self.settings.api_backoff_max_s)
+        node = self.node
+        watched = (
+            ("POD", f"pods on node {node}", self.cluster.list_node_pods, self.cluster.watch_node_pods),
+            ("CLAIM", f"claims of node {node}", self.cluster.list_node_claims, self.cluster.watch_node_claims),
         )
-        for watched in (pods, claims):
+        for tag, what, lister, watcher in watched:
             threading.Thread(
-                target=self._watch, args=(watched, events, stop), name=f"agent-watch-{watched.tag}", daemon=True
+                target=follow,
+                args=(
+                    what,
+                    lambda lister=lister: lister(node),
+                    lambda version, timeout_s, watcher=watcher: watcher(node, version, timeout_s),
+                    lambda items, tag=tag: events.put((f"{tag}-LIST", items)),
+                    lambda kind, obj, tag=tag: events.put((tag, (kind, obj))),
+                    stop,
+                    backoff,
+                ),
+                name=f"agent-watch-{tag.lower()}",
+                daemon=True,
             ).start()
         # Wakes the loop from its wait as soon as `stop` is set (SIGTERM), not at the next resync.
         threading.Thread(target=lambda: (stop.wait(), events.put(("STOP", None))), daemon=True).start()
@@ -854,38 +868,3 @@ class Agent:
             self._observe_claims(payload)
         elif kind == "CLAIM":
             self.observe_claim(*payload)
-
-    def _watch(self, watched: Watched, events: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
-        """List, then watch from the list's version (again from the last event's on a timeout); list again on
-        410 Gone, and after a backoff on any other error."""
-        delay = self.settings.api_backoff_s
-        while not stop.is_set():
-            try:
-                items, version = watched.list(self.node)
-                events.put((f"{watched.tag}-LIST", items))
-                delay = self.settings.api_backoff_s
-                while not stop.is_set():
-                    for kind, obj in watched.watch(self.node, version, self.settings.watch_timeout_s):
-                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
-                        if kind != "BOOKMARK":
-                            events.put((watched.tag, (kind, obj)))
-                        if stop.is_set():
-                            return
-            except ClusterError as exc:
-                if exc.status != 410:
-                    log.warning("watch of %s failed (%s); listing again in %.0fs", watched.what, exc, delay)
-                    stop.wait(delay)
-                    delay = min(delay * 2, self.settings.api_backoff_max_s)
-            except Exception:
-                log.exception("watch of %s crashed; listing again in %.0fs", watched.what, delay)
-                stop.wait(delay)
-
-
-@dataclass(frozen=True)
-class Watched:
-    """What the agent lists and watches: its node's pods, its node's claims."""
-
-    what: str
-    list: Callable[[str], tuple[list[dict[str, Any]], str]]
-    watch: Callable[[str, str, int], Iterator[tuple[str, dict[str, Any]]]]
-    tag: str

@@ -288,13 +288,20 @@ class KubernetesClusterClient:
         selector = ("labelSelector", f"{names.LABEL_NODE}={node}")
         return self._watch(self._claims_path(), selector, resource_version, timeout_s, f"claims of {node}")
 
+    # scrubgate's controller only: the one cluster-wide view of claims (no agent lists or watches them all).
+    def list_all_claims(self) -> tuple[list[dict[str, Any]], str]:
+        return self._list(self._claims_path(), [])
+
+    def watch_all_claims(self, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        return self._watch(self._claims_path(), None, resource_version, timeout_s, "every claim")
+
     def _watch(
-        self, path: str, selector: tuple[str, str], resource_version: str, timeout_s: int, what: str
+        self, path: str, selector: tuple[str, str] | None, resource_version: str, timeout_s: int, what: str
     ) -> Iterator[tuple[str, dict]]:
         from urllib3.exceptions import HTTPError
 
         query = [
-            selector,
+            *([selector] if selector else []),
             ("watch", "true"),
             ("allowWatchBookmarks", "true"),
             ("resourceVersion", resource_version),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -118,8 +119,12 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
             self._slots.release()
 
 
+class Rendered(Protocol):
+    def render(self) -> bytes: ...
+
+
 def serve(
-    metrics: AgentMetrics,
+    metrics: Rendered,
     healthy: Callable[[], tuple[bool, str]],
     address: str,
     port: int,

@@ -1,4 +1,4 @@
-"""The `scrubgate` command: check (CI), webhook, agent, certs, audit."""
+"""The `scrubgate` command: check (CI), webhook, agent, controller, certs, audit."""
 
 from __future__ import annotations
 
@@ -218,6 +218,13 @@ def _add_component(sub: argparse._SubParsersAction, name: str, help_text: str, m
 COMPONENTS = (
     ("webhook", "run the admission webhook server", "scrubgate.webhook.cli", "add_arguments", "run"),
     ("agent", "run or inspect the node agent", "scrubgate.sanitizer_agent.cli", "add_arguments", "run"),
+    (
+        "controller",
+        "label claims no node agent saw with their node; release claims deleted before allocation (leader-elected)",
+        "scrubgate.sanitizer_agent.controller_cli",
+        "add_arguments",
+        "run",
+    ),
     ("certs", "generate the webhook's CA and serving certificate", "scrubgate.certs.cli", "add_arguments", "run"),
     ("audit", "verify the audit log's hash chain", "scrubgate.webhook.cli", "add_audit_arguments", "run_audit"),
     ("reports", "keep PolicyReports of the cluster's objects up to date", "scrubgate.reports", "add_arguments", "run"),

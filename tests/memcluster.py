@@ -138,6 +138,16 @@ class InMemoryCluster:
         self._call("watch_node_claims", node, resource_version)
         return self._watch(self._claim_watchers, self._lock, timeout_s, lambda claim: self._labelled(claim, node))
 
+    def list_all_claims(self) -> tuple[list[dict[str, Any]], str]:
+        """The controller's: every claim (no agent lists them all)."""
+        self._call("list_all_claims")
+        with self._lock:
+            return [copy.deepcopy(c) for c in self.claims.values()], str(next(self._versions))
+
+    def watch_all_claims(self, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
+        self._call("watch_all_claims", resource_version)
+        return self._watch(self._claim_watchers, self._lock, timeout_s, lambda claim: True)
+
     def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         self._call("get_claim", namespace, name)
         with self._lock:
