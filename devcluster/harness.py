@@ -4,7 +4,8 @@ Separate processes, as on a real cluster: the real control plane (etcd, kube-api
 kube-controller-manager, kube-scheduler; devcluster/controlplane.py), one or more simulated GPU nodes (each
 the kubelet stand-in and an NVIDIA-like DRA driver over simulated GPUs; devcluster/node.py), the real webhook
 (``scrubgate webhook``, HTTPS with a certificate from ``scrubgate.certs``) behind a stand-in of its Service
-(devcluster/serviceproxy.py) and the real node agent on each node (``scrubgate agent``, the official
+(devcluster/serviceproxy.py), the real controller (``scrubgate controller``, one replica, leader-elected on its
+Lease as the Deployment's are) and the real node agent on each node (``scrubgate agent``, the official
 ``kubernetes`` client, a ServiceAccount token, the simulated GPU backend). scrubgate is installed from the
 kustomize base as the built kubectl renders it: its namespace, ServiceAccounts, RBAC and webhook
 configurations (caBundle injected; ``service:`` replaced by ``url:`` for the host process). Everything binds
@@ -164,6 +165,7 @@ class Paths:
     checkpoint: Path = field(init=False)
     kubeconfig: Path = field(init=False)
     webhook_kubeconfig: Path = field(init=False)
+    controller_kubeconfig: Path = field(init=False)
     node_kubeconfig: Path = field(init=False)
     driver_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
@@ -183,6 +185,7 @@ class Paths:
         self.checkpoint = r / "agent" / "checkpoint.json"
         self.kubeconfig = r / "agent" / "kubeconfig.yaml"
         self.webhook_kubeconfig = r / "webhook" / "kubeconfig.yaml"
+        self.controller_kubeconfig = r / "controller" / "kubeconfig.yaml"
         self.node_kubeconfig = r / "node" / "kubeconfig.yaml"
         self.driver_kubeconfig = r / "node" / "driver-kubeconfig.yaml"
         self.audit_log = r / "audit" / "audit.jsonl"
@@ -193,8 +196,8 @@ class Paths:
 
 
 # What the harness installs from the kustomize base: scrubgate's namespace, identities and RBAC, and the
-# webhook configurations (overlaid). The webhook and the agent run as host processes instead of the base's
-# Deployment and DaemonSet.
+# webhook configurations (overlaid). The webhook, the controller and the agent run as host processes instead of
+# the base's Deployments and DaemonSet.
 INSTALLED_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 TOKEN_SECONDS = 24 * 3600
 
@@ -373,6 +376,14 @@ class Cluster:
         self.api = self.control_plane.apiserver
         self.service = ManagedProcess("webhook Service", self._service_argv(), self.paths.logs / "service.log", env)
         self.webhook = ManagedProcess("webhook", self._webhook_argv(), self.paths.logs / "webhook.log", env)
+        self.controller_metrics_port = free_port()
+        self.controller = ManagedProcess(
+            "controller",
+            self._controller_argv(),
+            self.paths.logs / "controller.log",
+            env,
+            before_start=self._controller_credentials,
+        )
         self.nodes = [self._sim_node(i) for i in range(nodes)]
         self.observer = Observer(lambda: self.control_plane.port, self.users["admin"].token, self._ca_file)
         self._clients: dict[str, k8s.ApiClient] = {}
@@ -488,6 +499,8 @@ class Cluster:
             self.wait_webhook_ready()
             self._install()
             self._webhook_credentials()
+            self.controller.start()
+            self.wait_controller_ready()
             for node in self.nodes:
                 node.agent.start()
             for node in self.nodes:
@@ -508,7 +521,13 @@ class Cluster:
         self.observer.stop()
         if self.keep and self.paths.root.is_dir():
             self.observer.dump(self.paths.root / "observed.jsonl")
-        for process in (*(n.agent for n in self.nodes), self.webhook, *(n.process for n in self.nodes), self.service):
+        for process in (
+            *(n.agent for n in self.nodes),
+            self.controller,
+            self.webhook,
+            *(n.process for n in self.nodes),
+            self.service,
+        ):
             process.stop()
         self.control_plane.stop()
         for api_client in self._clients.values():
@@ -532,6 +551,7 @@ class Cluster:
             self.service,
             *(n.process for n in self.nodes),
             self.webhook,
+            self.controller,
             *(n.agent for n in self.nodes),
         )
 
@@ -556,6 +576,7 @@ class Cluster:
             p.audit_log.parent,
             p.node_kubeconfig.parent,
             p.webhook_kubeconfig.parent,
+            p.controller_kubeconfig.parent,
         ):
             directory.mkdir(parents=True, exist_ok=True)
         for node in self.nodes:  # UUIDs are random (uuid4): no two nodes share one
@@ -571,6 +592,8 @@ class Cluster:
         p.signing_key.chmod(0o600)
         policy = policy_with_key(public_key_pem(self._signing_key))
         policy["agent"] = {"identities": [self.users["agent"].name]}  # as the chart's policy names it
+        controller = f"system:serviceaccount:{self.namespace}:{names.CONTROLLER_SERVICE_ACCOUNT}"
+        policy["controller"] = {"identities": [controller]}
         self.write_policy(policy)
         self.set_webhook_port(self.webhook_port)
 
@@ -653,6 +676,7 @@ class Cluster:
         stay. Also the baseline of bench/lifecycle.py: the control plane and the harness alone."""
         for node in self.nodes:
             node.agent.stop()
+        self.controller.stop()
         for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
             path = f"/apis/admissionregistration.k8s.io/v1/{kind}"
             for item in self.request("GET", path)["items"]:
@@ -681,6 +705,8 @@ class Cluster:
         self.webhook.start()
         self.wait_webhook_ready()
         self._install()
+        self.controller.start()
+        self.wait_controller_ready()
         for node in self.nodes:
             node.agent.start()
         for node in self.nodes:
@@ -834,6 +860,19 @@ class Cluster:
         }
         return [sys.executable, "-m", "scrubgate.cli", "webhook", *_flags(options)]
 
+    def _controller_argv(self) -> list[str]:
+        options = {
+            "--kubeconfig": self.paths.controller_kubeconfig,  # its ServiceAccount's token, written at each start
+            "--namespace": self.namespace,  # its Lease's
+            "--identity": "devcluster",
+            "--policy": self.paths.policy,
+            # A GPU claim no agent labelled within 2 s: the tests stop agents and wait for the label.
+            "--label-after": 2,
+            "--metrics-address": "127.0.0.1",
+            "--metrics-port": self.controller_metrics_port,
+        }
+        return [sys.executable, "-m", "scrubgate.cli", "controller", *_flags(options)]
+
     def _agent_argv(self, name: str, files: NodeFiles, metrics_port: int) -> list[str]:
         p = self.paths
         options = {
@@ -878,6 +917,27 @@ class Cluster:
             lambda: self.webhook_get("/readyz")[0] == 200 or self.webhook.check_alive(),
             timeout or self.ready_timeout,
             f"the webhook's /readyz on 127.0.0.1:{self.webhook_port}",
+        )
+
+    def _controller_credentials(self) -> None:
+        """What the controller's pod mounts: a token of its ServiceAccount."""
+        token = self.service_account_token(self.namespace, names.CONTROLLER_SERVICE_ACCOUNT)
+        self._write_token_kubeconfig(self.paths.controller_kubeconfig, "controller", token)
+
+    def wait_controller_ready(self, timeout: float | None = None) -> None:
+        """Until the controller leads and has listed every claim (a follower's /healthz says "following")."""
+
+        def leads() -> bool:
+            try:
+                status, body = _http_get(self.controller_metrics_port, "/healthz")
+            except (OSError, http.client.HTTPException):
+                return False
+            return status == 200 and "following" not in body
+
+        wait_for(
+            lambda: leads() or self.controller.check_alive(),
+            timeout or self.ready_timeout,
+            f"the controller's /healthz on 127.0.0.1:{self.controller_metrics_port}",
         )
 
     def _webhook_credentials(self) -> None:

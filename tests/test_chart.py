@@ -343,8 +343,8 @@ def test_image_and_version(default: list[Doc]):
     containers = [
         c for d in default for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
     ]
-    # webhook, agent, reports, the uninstall hook and the certificates' hook
-    assert len(containers) == 5 and {c["image"] for c in containers} == {IMAGE}
+    # webhook, agent, controller, reports, the uninstall hook and the certificates' hook
+    assert len(containers) == 6 and {c["image"] for c in containers} == {IMAGE}
 
 
 # --- values ---------------------------------------------------------------------------------------
@@ -431,20 +431,21 @@ def test_the_knobs_platform_teams_expect(helm: str, default: list[Doc]):
         "webhook.nodeSelector.pool=system,webhook.tolerations[0].key=dedicated,webhook.tolerations[0].operator=Exists,"
         "agent.nodeSelector.accelerator=h200,agent.kubeletPluginsPath=/data/kubelet/plugins,"
         "metrics.enabled=true,metrics.labels.release=kube-prometheus-stack,metrics.dashboardNamespace=grafana,"
-        "networkPolicy.enabled=true,webhook.replicas=1",
+        "networkPolicy.enabled=true,webhook.replicas=1,controller.replicas=3",
     )
     pods = {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
-    assert set(pods) == {"scrubgate-webhook", "scrubgate-agent", "scrubgate-reports"}
+    assert set(pods) == {"scrubgate-webhook", "scrubgate-agent", "scrubgate-controller", "scrubgate-reports"}
     for template in pods.values():
         assert (
             template["metadata"]["annotations"]["team"] == "gpu" and template["metadata"]["labels"]["tier"] == "infra"
         )
         assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
         assert template["spec"]["priorityClassName"] == "system-node-critical"
-    webhook = pods["scrubgate-webhook"]["spec"]
-    assert webhook["nodeSelector"] == {"pool": "system"} and webhook["tolerations"] == [
-        {"key": "dedicated", "operator": "Exists"}
-    ]
+    for name in ("scrubgate-webhook", "scrubgate-controller"):
+        assert pods[name]["spec"]["nodeSelector"] == {"pool": "system"} and pods[name]["spec"]["tolerations"] == [
+            {"key": "dedicated", "operator": "Exists"}
+        ]
+    assert one(docs, "Deployment", "scrubgate-controller")["spec"]["replicas"] == 3
     agent = pods["scrubgate-agent"]["spec"]
     assert agent["nodeSelector"] == {"accelerator": "h200"}, "replaces the GPU label default"
     checkpoint = next(v for v in agent["volumes"] if v["name"] == "nvidia-checkpoint")
@@ -877,7 +878,7 @@ def test_the_webhooks_skip_only_the_claims_of_the_policys_excluded_classes(helm:
             assert "scrubgate-system" not in other["expression"], (hook["name"], other["name"])
 
 
-def test_the_agents_and_the_webhook_have_their_priority_level(default: list[Doc]):
+def test_the_agents_the_webhook_and_the_controller_have_their_priority_level(default: list[Doc]):
     """API Priority and Fairness: the base's FlowSchema and PriorityLevelConfiguration (manifests/flowcontrol.yaml,
     tests/test_flowcontrol.py) are cluster-scoped objects of the chart, naming the release's ServiceAccounts."""
     schema = one(default, "FlowSchema", "scrubgate")
@@ -886,4 +887,5 @@ def test_the_agents_and_the_webhook_have_their_priority_level(default: list[Doc]
     accounts = {s["serviceAccount"]["name"] for r in schema["spec"]["rules"] for s in r["subjects"]}
     agent = one(default, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["serviceAccountName"]
     webhook = one(default, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["serviceAccountName"]
-    assert accounts == {agent, webhook}
+    controller = one(default, "Deployment", "scrubgate-controller")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert accounts == {agent, webhook, controller}

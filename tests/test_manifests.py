@@ -75,7 +75,7 @@ def test_every_object_validates_strictly(docs: list[Doc], version: str):
 
 
 def test_strict_validation_catches_an_unknown_field(docs: list[Doc]):
-    broken = copy.deepcopy(one(docs, "Deployment"))
+    broken = copy.deepcopy(one(docs, "Deployment", "scrubgate-webhook"))
     broken["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
     with pytest.raises(ValidationError):
         kubernetes_validate.validate(broken, "1.34", strict=True)
@@ -874,7 +874,8 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
     dra = names.RESOURCE_GROUP
     expected = {
         *(("", "pods", v) for v in ("get", "list", "watch")),
-        *((dra, "resourceclaims", v) for v in ("get", "list", "patch", "update")),
+        # by name, and its own node's by their label (list, watch)
+        *((dra, "resourceclaims", v) for v in ("get", "list", "watch", "patch", "update")),
         # its hold on a claim (status.reservedFor), which 1.36+ also authorizes on resourceclaims/binding
         *((dra, sub, v) for sub in ("resourceclaims/status", "resourceclaims/binding") for v in ("patch", "update")),
         *((dra, "resourceslices", v) for v in ("get", "list", "watch")),
@@ -891,6 +892,27 @@ def test_agent_rbac_is_exactly_what_it_needs(docs: list[Doc]):
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": names.AGENT_SERVICE_ACCOUNT, "namespace": names.SYSTEM_NAMESPACE}
     ]
+
+
+def test_controller_rbac_is_every_claim_and_its_own_lease(docs: list[Doc]):
+    """Every claim (its informer; the label and the finalizer it writes), and the Lease of its leader election in
+    its own namespace only; two replicas, one of which acts."""
+    claims = {(names.RESOURCE_GROUP, "resourceclaims", v) for v in ("get", "list", "watch", "patch")}
+    assert grants(one(docs, "ClusterRole", "scrubgate-controller")) == claims
+    lease = one(docs, "Role", "scrubgate-controller-leader-election")
+    assert lease["metadata"]["namespace"] == names.SYSTEM_NAMESPACE
+    assert grants(lease) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+    for kind, name in (("ClusterRoleBinding", "scrubgate-controller"), ("RoleBinding", lease["metadata"]["name"])):
+        subjects = one(docs, kind, name)["subjects"]
+        assert subjects == [
+            {"kind": "ServiceAccount", "name": names.CONTROLLER_SERVICE_ACCOUNT, "namespace": names.SYSTEM_NAMESPACE}
+        ]
+    deployment = one(docs, "Deployment", "scrubgate-controller")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == names.CONTROLLER_SERVICE_ACCOUNT
+    assert pod["containers"][0]["args"][0] == "controller"
+    assert pod["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 def test_the_webhook_reads_device_classes_and_nothing_else(docs: list[Doc]):
@@ -937,7 +959,7 @@ BOOTSTRAP_LEVELS = {  # name: (nominalConcurrencyShares, lendablePercent)
 SERVER_SEATS = 600  # --max-requests-inflight 400 + --max-mutating-requests-inflight 200, the defaults
 
 
-def test_the_agents_and_the_webhook_have_a_priority_level_of_their_own(docs: list[Doc]):
+def test_the_agents_the_webhook_and_the_controller_have_a_priority_level_of_their_own(docs: list[Doc]):
     """Their requests leave the bootstrap `service-accounts` schema (matched at 9000, level workload-low, shared
     with every tenant's ServiceAccount) for a FlowSchema matched after every system component's schema (none of
     which names them) and before it; every request of theirs, under the identities the pods run as."""
@@ -952,7 +974,8 @@ def test_the_agents_and_the_webhook_have_a_priority_level_of_their_own(docs: lis
     accounts = {(s["serviceAccount"]["namespace"], s["serviceAccount"]["name"]) for s in rule["subjects"]}
     webhook = one(docs, "Deployment", "scrubgate-webhook")["spec"]["template"]["spec"]["serviceAccountName"]
     agent = one(docs, "DaemonSet", "scrubgate-agent")["spec"]["template"]["spec"]["serviceAccountName"]
-    assert accounts == {(names.SYSTEM_NAMESPACE, webhook), (names.SYSTEM_NAMESPACE, agent)}
+    controller = one(docs, "Deployment", "scrubgate-controller")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert accounts == {(names.SYSTEM_NAMESPACE, account) for account in (webhook, agent, controller)}
     assert schema["spec"]["distinguisherMethod"] == {"type": "ByUser"}, "the webhook's flow apart from the agents'"
     everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"], "clusterScope": True}
     assert rule["resourceRules"] == [everything]

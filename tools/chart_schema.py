@@ -107,6 +107,9 @@ def build() -> dict[str, Any]:
                         ),
                     }
                 ),
+                "controller": _object(
+                    {"deploy": BOOL, "replicas": {"type": "integer", "minimum": 1}, "resources": RESOURCES}
+                ),
                 "agent": _object(
                     {
                         "deploy": BOOL,
