@@ -940,6 +940,9 @@ class Cluster:
             f"the controller's /healthz on 127.0.0.1:{self.controller_metrics_port}",
         )
 
+    def controller_metrics(self) -> str:
+        return _http_get(self.controller_metrics_port, "/metrics")[1]
+
     def _webhook_credentials(self) -> None:
         """What the webhook's pod mounts once installed: a token of its ServiceAccount, whose RBAC reads
         DeviceClasses; then it has read them (until then it guards every claim)."""
