@@ -90,9 +90,10 @@ def _glass_broken(claim: dict[str, Any] | None) -> bool:
 
 def api_connections(max_concurrent_teardowns: int) -> int:
     """API calls the agent may make at once: a call from each lane, each fence worker (a lane waits on them)
-    and each first-sight worker, the loop's and the pod watch's. The client keeps that many connections open:
-    one it cannot keep is closed, and a later call pays for a new TLS handshake with kube-apiserver."""
-    return 3 * max(max_concurrent_teardowns, 1) + 2
+    and each first-sight worker, the loop's, the pod watch's and the claim watch's. The client keeps that many
+    connections open: one it cannot keep is closed, and a later call pays for a new TLS handshake with
+    kube-apiserver."""
+    return 3 * max(max_concurrent_teardowns, 1) + 3
 
 
 @dataclass(frozen=True)
