@@ -180,7 +180,7 @@ def test_a_pod_missing_from_a_new_list_is_asked_for(tmp_path):
     agent.start()
     _, pod = node.tenant("job", [0])
     agent.observe_pod("ADDED", pod)
-    assert pod["metadata"]["uid"] in agent._live_pods
+    assert pod["metadata"]["uid"] in agent.view.live_pods
     node.cluster.delete_pod(pod["metadata"]["uid"])  # the DELETED event is lost
     agent.resync()
     node.settle(agent)
