@@ -56,6 +56,7 @@ from .lanes import Lanes
 from .metrics import AgentMetrics
 from .node_view import NodeView
 from .release import ReleaseChecks
+from .steps import Steps
 from .teardown import Signer, TeardownEngine, TeardownSettings, TransitionHook
 
 log = logging.getLogger(__name__)
@@ -113,14 +114,13 @@ class Agent:
         self.on_transition = on_transition
         self._engine: TeardownEngine | None = None
         self.view = NodeView()
-        self._api_retry: dict[str, tuple[float, float]] = {}  # claim UID -> (retry at, last delay)
         self._last_tick: float | None = None
-        self._lock = threading.Lock()  # guards the API backoffs, which the lanes change too
         workers = settings.max_concurrent_teardowns
         self._lanes = Lanes(workers, f"teardown-{self.node}") if workers > 0 else None
         self._sight_pool = ThreadPoolExecutor(workers, f"first-sight-{self.node}") if workers > 0 else None
         # The fences of one claim's devices (a whole GPU and its MIG slices: eight) go up and down at once.
         self._fence_pool = ThreadPoolExecutor(workers, f"fence-{self.node}") if workers > 0 else None
+        self.steps = Steps(self._lanes, clock, settings.api_backoff_s, settings.api_backoff_max_s)
         self.releases = ReleaseChecks(
             node=self.node,
             cluster=cluster,
@@ -129,8 +129,8 @@ class Agent:
             engine=lambda: self.engine,
             metrics=self.metrics,
             clock=clock,
-            submit=self._submit,
-            guarded=self._guarded,
+            submit=self.steps.submit,
+            guarded=self.steps.guarded,
         )
         self.intake = Intake(
             node=self.node,
@@ -141,7 +141,7 @@ class Agent:
             engine=lambda: self.engine,
             clock=clock,
             finish=self._finish,
-            backoff=self._backoff,
+            backoff=self.steps.backoff,
         )
 
     @property
@@ -179,7 +179,9 @@ class Agent:
             settings=self.settings.teardown,
             clock=self.clock,
             on_transition=self.on_transition,
-            schedule=(lambda td: self._submit(td, lambda: self.engine.advance(td), "advance")) if self._lanes else None,
+            schedule=(lambda td: self.steps.submit(td, lambda: self.engine.advance(td), "advance"))
+            if self._lanes
+            else None,
         )
         self.metrics.oldest_release.set_function(self._engine.oldest_release_s)  # at each scrape
         if version:
@@ -190,7 +192,7 @@ class Agent:
         if owed:
             log.info("node %s: checkpoint owes %d teardown(s); making sure they are out of reach", self.node, len(owed))
         for td in owed:
-            self._guarded(td, lambda td=td: self.engine.ensure_fenced(td))
+            self.steps.guarded(td, lambda td=td: self.engine.ensure_fenced(td))
         self.releases.check_holds(DIRTY_STATES)
         if self.settings.nvidia_checkpoint is not None:
             for prepared in nvidia.read_prepared_claims(self.settings.nvidia_checkpoint):
@@ -232,18 +234,17 @@ class Agent:
         for td in self._teardowns():
             # With lanes, only what has work now: a tick comes after every batch of events.
             if self._lanes is None or not (self._lanes.busy(td.claim.uid) or self.engine.waiting(td)):
-                self._submit(td, lambda td=td: self.engine.advance(td), "advance")
-        with self._lock:
-            self._api_retry = {uid: r for uid, r in self._api_retry.items() if uid in self.store.teardowns}
+                self.steps.submit(td, lambda td=td: self.engine.advance(td), "advance")
+        self.steps.keep_only(self.store.teardowns.keys())
         return self._next_due()
 
     def _next_due(self) -> float:
         now = self.clock()
         due = [self.settings.resync_s]
         for td in self._teardowns():
-            backoff = self._api_retry.get(td.claim.uid)
-            if backoff is not None and backoff[0] > now:
-                due.append(backoff[0] - now)  # nothing happens to it before then
+            retry_at = self.steps.retry_at(td.claim.uid)
+            if retry_at is not None and retry_at > now:
+                due.append(retry_at - now)  # nothing happens to it before then
             elif td.state == State.DRAINING:
                 due.append(self.settings.drain_poll_s)
             elif td.state == State.ALLOCATED and (record_due := self.engine.record_due(td)) is not None:
@@ -254,34 +255,6 @@ class Agent:
                 due.append(RESCRUB_POLL_S)  # waiting for an operator: pick up `agent rescrub` promptly
         return max(min(due), 0.0)
 
-    def _submit(self, td: Teardown, action: Callable[[], object], tag: str | None = None) -> None:
-        """Runs `action` for `td` (guarded) in the claim's lane, after what was handed in for it before; without
-        lanes, here and now. A tagged action already waiting in the lane is not handed in twice."""
-        if self._lanes is None:
-            self._guarded(td, action)
-        else:
-            self._lanes.submit(td.claim.uid, lambda: self._guarded(td, action), tag)
-
-    def _guarded(self, td: Teardown, action: Callable[[], object]) -> None:
-        """Runs `action` for `td` unless it is backing off after an API error; API errors start a backoff."""
-        retry = self._api_retry.get(td.claim.uid)
-        if retry is not None and retry[0] > self.clock():
-            return
-        try:
-            action()
-        except ClusterError as exc:
-            self._backoff(td, exc)
-        else:
-            with self._lock:
-                self._api_retry.pop(td.claim.uid, None)
-
-    def _backoff(self, td: Teardown, exc: ClusterError) -> None:
-        with self._lock:
-            last = self._api_retry.get(td.claim.uid, (0.0, 0.0))[1]
-            delay = min(last * 2 or self.settings.api_backoff_s, self.settings.api_backoff_max_s)
-            self._api_retry[td.claim.uid] = (self.clock() + delay, delay)
-        log.warning("claim %s (%s): API error, retrying in %.0fs: %s", td.claim, td.state.value, delay, exc)
-
     def _teardowns(self) -> list[Teardown]:
         """The teardowns now (a copy: lanes add and drop teardowns while the loop looks)."""
         return list(self.store.teardowns.values())
@@ -290,26 +263,17 @@ class Agent:
         """Advances a teardown past its verified scrub here and now; queued instead when its lane is at work on
         it."""
         if self._lanes is not None and self._lanes.busy(td.claim.uid):
-            self._submit(td, lambda: self.engine.advance(td), "advance")
+            self.steps.submit(td, lambda: self.engine.advance(td), "advance")
         else:
-            self._guarded(td, lambda: self.engine.advance(td))
+            self.steps.guarded(td, lambda: self.engine.advance(td))
 
     def _take_rescrub_requests(self) -> None:
-        if self.settings.rescrub_dir is None:
-            return
-        for path, device in rescrub.pending(self.settings.rescrub_dir):
-            matched = [
-                td for td in self._teardowns() if device and td.state == State.FAILED and rescrub.matches(td, device)
-            ]
-            if not matched:
-                log.warning(
-                    "rescrub request %s (%s) matches no failed device on node %s; discarded", path, device, self.node
-                )
-            for td in matched:
-                with self._lock:
-                    self._api_retry.pop(td.claim.uid, None)
-                self._submit(td, lambda td=td: self.engine.rescrub(td))
-            path.unlink(missing_ok=True)
+        if self.settings.rescrub_dir is not None:
+            rescrub.take(self.settings.rescrub_dir, self._teardowns(), self.node, self._rescrub)
+
+    def _rescrub(self, td: Teardown) -> None:
+        self.steps.clear(td.claim.uid)
+        self.steps.submit(td, lambda: self.engine.rescrub(td))
 
     def healthy(self) -> tuple[bool, str]:
         if self._last_tick is None:

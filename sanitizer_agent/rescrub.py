@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .checkpoint import Teardown, write_atomic
+from .checkpoint import State, Teardown, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +48,15 @@ def pending(directory: Path) -> list[tuple[Path, str | None]]:
 
 def matches(td: Teardown, device: str) -> bool:
     return any(device in (d.uuid, d.key) for d in td.devices)
+
+
+def take(directory: Path, teardowns: Iterable[Teardown], node: str, again: Callable[[Teardown], None]) -> None:
+    """Each pending request: `again` for every failed teardown holding its device; then the request goes."""
+    failed = [td for td in teardowns if td.state == State.FAILED]
+    for path, device in pending(directory):
+        matched = [td for td in failed if device and matches(td, device)]
+        if not matched:
+            log.warning("rescrub request %s (%s) matches no failed device on node %s; discarded", path, device, node)
+        for td in matched:
+            again(td)
+        path.unlink(missing_ok=True)
