@@ -556,41 +556,9 @@ class TeardownEngine:
         uid = td.claim.uid
         if uid in self._held or not td.claim.name:
             return
-        claim = self._claims.get(uid)
-        for attempt in range(2):
-            claim = claim or self.cluster.get_claim(td.claim.namespace, td.claim.name)
-            if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
-                return  # gone: the release check sees it
-            held = self._adopt_hold(td, claim)
-            ops = hold_ops(claim, self.node, td.hold or "")
-            if ops is None:
-                break
-            try:
-                self._claims[uid] = self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
-            except NotFound:
-                return
-            except Conflict:
-                if attempt:
-                    raise
-                # The copy was stale (the claim changed since, or is being deleted now): read it again, once.
-                self._claims.pop(uid, None)
-                claim = None
-                continue
-            log.info("claim %s: held by node %s's agent until its attested release", td.claim, self.node)
-            break
-        if ops is None and held is None:
-            # Being deleted (the API server takes no new consumer then) or no longer allocated: SG007 keeps its
-            # allocation until the attestation all the same; the resourceclaim controller retries meanwhile.
-            log.warning(
-                "claim %s: cannot be held (%s); SG007 keeps its allocation until the attestation",
-                td.claim,
-                "being deleted" if ((claim or {}).get("metadata") or {}).get("deletionTimestamp") else "not allocated",
-            )
-        self._held.add(uid)
-
-    def _adopt_hold(self, td: Teardown, claim: dict[str, Any]) -> str | None:
-        """This node's hold on the claim, adopted as the teardown's (a restart that lost it); where neither has
-        one, a new one is checkpointed before it is written. Returns the claim's."""
+        claim = self._claims.get(uid) or self.cluster.get_claim(td.claim.namespace, td.claim.name)
+        if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+            return  # gone: the release check sees it
         held = node_hold(claim, self.node)
         if held is None and td.hold is None:  # a teardown of an older checkpoint
             with self.store.lock:
@@ -600,7 +568,22 @@ class TeardownEngine:
             with self.store.lock:
                 td.hold = held
             self._save()
-        return held
+        ops = hold_ops(claim, self.node, td.hold or "")
+        if ops is not None:
+            try:
+                self._claims[uid] = self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
+            except NotFound:
+                return
+            log.info("claim %s: held by node %s's agent until its attested release", td.claim, self.node)
+        elif held is None:
+            # Being deleted (the API server takes no new consumer then) or no longer allocated: SG007 keeps its
+            # allocation until the attestation all the same; the resourceclaim controller retries meanwhile.
+            log.warning(
+                "claim %s: cannot be held (%s); SG007 keeps its allocation until the attestation",
+                td.claim,
+                "being deleted" if (claim.get("metadata") or {}).get("deletionTimestamp") else "not allocated",
+            )
+        self._held.add(uid)
 
     def release_hold(self, td: Teardown) -> None:
         """Takes this node's hold off the claim, after its attestation is on it (SG007 lets nothing else release
