@@ -37,6 +37,7 @@ from e2e_support import (
 from kubernetes import client as k8s
 from scrubgate.policies import names
 from scrubgate.policies.attestation import (
+    allocation_identity,
     build_payload,
     check_claim_attestation,
     load_private_key,
@@ -245,6 +246,7 @@ def attestation_for(
         finished_at=now,
         health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
         consumers=reserved_pods(claim),
+        allocation=allocation_identity(claim, cluster.node),
     )
     return sign(payload, key, kid)
 
