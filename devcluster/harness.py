@@ -599,7 +599,7 @@ class Cluster:
 
     def _webhook_client_credentials(self) -> None:
         """The API server's client certificate for webhooks, from a CA of its own (the ConfigMap
-        scrubgate-webhook-client-ca of the base; README, "Installing on a cluster"), given to kube-apiserver
+        scrubgate-webhook-client-ca of the base; docs/install.md, "With kustomize", step 4), given to kube-apiserver
         through --admission-control-config-file for the host it dials; the webhook runs with --client-ca."""
         directory = self.paths.client_ca.parent
         directory.mkdir(parents=True, exist_ok=True)
@@ -670,7 +670,7 @@ class Cluster:
             self._install_with_kustomize()
 
     def uninstall_scrubgate(self) -> None:
-        """Removes scrubgate from the running installation, in the order README's "Uninstalling" gives: the
+        """Removes scrubgate from the running installation, in the order docs/operations.md's "Uninstalling" gives: the
         agents first (each fences, on its way out, the teardowns it still owes, which the webhook's guard kept
         until then), then the webhook configurations, then the webhook. Fences and finalizers already placed
         stay. Also the baseline of bench/lifecycle.py: the control plane and the harness alone."""
@@ -714,7 +714,7 @@ class Cluster:
 
     def _install_with_helm(self) -> None:
         """`helm install` of charts/scrubgate with its values for host processes (values-local.yaml): the
-        webhook configurations call the Service stand-in; the namespace is created first, as README says."""
+        webhook configurations call the Service stand-in; the namespace is created first, as docs/install.md says."""
         self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
         keys = self.paths.root / "helm-keys.yaml"
         keys.write_text(yaml.safe_dump({"policy": {"attestationKeys": self.policy()["attestationKeys"]}}))

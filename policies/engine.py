@@ -253,7 +253,7 @@ def default(
         old = admission.old_object
         if operation != "UPDATE" or not isinstance(old, dict) or kind_of(obj)[1] != "ResourceClaim":
             return []
-        return _findings(policy, "SG007", release_guard.kept_consumers_patch(obj, old, admission.requester, policy))
+        return _findings(policy, "SG007", release_guard.kept_consumers_patch(obj, old, admission.requester, scope))
     if kind_of(obj)[1] != "ResourceClaim" or not gpu_requests(obj, scope):
         return []
     if operation == "CREATE":

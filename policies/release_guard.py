@@ -19,6 +19,7 @@ from .attestation import (
     agent_reservations,
     allocation_results,
     check_claim_attestation,
+    claim_consumers,
     deleted_before_allocation,
     recorded_devices,
     reserved_consumers,
@@ -418,16 +419,20 @@ def reservation_guard(
     return [*violations, (message, _RESERVED_FOR, ())], []
 
 
-def kept_consumers_patch(
-    obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig
-) -> list[Violation]:
+def kept_consumers_patch(obj: dict[str, Any], old: dict[str, Any], who: Requester, scope: Scope) -> list[Violation]:
     """SG007's other half, for /mutate: while a node agent holds a claim, the pods it was reserved for stay in its
-    reservation. Kubernetes' resourceclaim controller drops an ended pod from a claim (syncClaim), and reserves an
-    allocated claim again for any pod bound to a node and not being deleted, ended or not (syncPod): with the
-    allocation held, the two would take turns for as long as the hold stands (pkg/controller/resourceclaim/
-    controller.go, v1.37). So its drop is made a no-op (the API server stores nothing, the controller's update
-    succeeds); the pods go with the deallocation, once the agent has released its hold, and the attestation names
-    them. kube-scheduler's Unreserve (a pod whose binding failed: it never ran) and an admin's drop are left be."""
+    reservation until the attested release, which this write then makes.
+
+    Kubernetes' resourceclaim controller drops an ended pod from a claim (syncClaim), keeping consumers it does not
+    know (the hold), and reserves an allocated claim again for any pod bound to a node and not being deleted, ended
+    or not (syncPod): with the allocation held, the two would take turns for as long as the hold stands
+    (pkg/controller/resourceclaim/controller.go, v1.37). So before the attestation its drop is made a no-op (the
+    API server stores nothing, the controller's update succeeds). Once the claim carries an attestation of this
+    allocation, and nothing but holds would be left, its drop becomes the release it would have made without the
+    hold: the holds go with the pods and, where the controller's delete-protection finalizer is on the claim, the
+    allocation too, in the controller's own write (no other write to race with it, no refused attempt).
+    kube-scheduler's Unreserve (a pod whose binding failed: it never ran) and an admin's drop are left be."""
+    policy = scope.policy
     if who.is_scheduler(policy) or who.is_admin(policy):
         return []
     if not agent_reservations(old) or not agent_reservations(obj):
@@ -442,13 +447,22 @@ def kept_consumers_patch(
     ]  # fmt: skip
     if not dropped:
         return []
+    op = "replace" if "reservedFor" in new_status else "add"
+    holders = ", ".join(h for h, _ in agent_reservations(old))
+    if not claim_consumers(obj) and _attestation_problem(old, old, scope) is None:
+        ops: tuple[dict[str, Any], ...] = ({"op": "replace", "path": _RESERVED_FOR, "value": []},)
+        if names.DELETE_PROTECTION_FINALIZER in as_list(metadata(old).get("finalizers")):
+            ops += ({"op": "remove", "path": "/status/allocation"},)
+        message = (
+            f"claim released with the attestation of node {holders}'s agent: its hold goes with the ended pod(s) "
+            f"{', '.join(as_str(e.get('name')) for e in dropped)}, and the allocation with them"
+        )
+        return [(message, _RESERVED_FOR, ops)]
     # In the stored order, so that the controller's write stores nothing at all (no new resourceVersion, no event).
     old_list = as_list(old_status.get("reservedFor"))
     restored = [e for e in old_list if e in kept or e in dropped] + [e for e in kept if e not in old_list]
-    ops = ({"op": "replace" if "reservedFor" in new_status else "add", "path": _RESERVED_FOR, "value": restored},)
     message = (
         f"pod(s) {', '.join(as_str(e.get('name')) for e in dropped)} kept in the reservation of a claim node "
-        f"{', '.join(h for h, _ in agent_reservations(old))}'s agent holds: they leave it with the deallocation, "
-        "after the attested release"
+        f"{holders}'s agent holds: they leave it with the attested release"
     )
-    return [(message, _RESERVED_FOR, ops)]
+    return [(message, _RESERVED_FOR, ({"op": op, "path": _RESERVED_FOR, "value": restored},))]

@@ -1,4 +1,4 @@
-"""The rules SG001-SG006, SG008-SG010 (README.md, "Rules") as pure functions; SG007 lives in release_guard.py
+"""The rules SG001-SG006, SG008-SG010 (docs/rules.md) as pure functions; SG007 lives in release_guard.py
 (claims) and fence_guard.py (fences and an agent's other writes).
 
 Each rule takes the object and what it needs to know, and returns `(message, path, patch)` violations;

@@ -556,9 +556,24 @@ class TeardownEngine:
         uid = td.claim.uid
         if uid in self._held or not td.claim.name:
             return
-        claim = self._claims.get(uid) or self.cluster.get_claim(td.claim.namespace, td.claim.name)
-        if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
-            return  # gone: the release check sees it
+        # The copy last read first; where it was stale (the claim since deleted: the API server takes no new
+        # consumer then, 422; or changed), fresh reads decide.
+        attempts = (self._claims.pop(uid, None), None, None)
+        for attempt, cached in enumerate(attempts, 1):
+            claim = cached or self.cluster.get_claim(td.claim.namespace, td.claim.name)
+            if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+                return  # gone: the release check sees it
+            try:
+                self._hold(td, claim)
+                break
+            except NotFound:
+                return
+            except Conflict:
+                if attempt == len(attempts):
+                    raise
+        self._held.add(uid)
+
+    def _hold(self, td: Teardown, claim: dict[str, Any]) -> None:
         held = node_hold(claim, self.node)
         if held is None and td.hold is None:  # a teardown of an older checkpoint
             with self.store.lock:
@@ -570,10 +585,7 @@ class TeardownEngine:
             self._save()
         ops = hold_ops(claim, self.node, td.hold or "")
         if ops is not None:
-            try:
-                self._claims[uid] = self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
-            except NotFound:
-                return
+            self._claims[td.claim.uid] = self.cluster.patch_claim_status(td.claim.namespace, td.claim.name, ops)
             log.info("claim %s: held by node %s's agent until its attested release", td.claim, self.node)
         elif held is None:
             # Being deleted (the API server takes no new consumer then) or no longer allocated: SG007 keeps its
@@ -583,7 +595,6 @@ class TeardownEngine:
                 td.claim,
                 "being deleted" if (claim.get("metadata") or {}).get("deletionTimestamp") else "not allocated",
             )
-        self._held.add(uid)
 
     def release_hold(self, td: Teardown) -> None:
         """Takes this node's hold off the claim, after its attestation is on it (SG007 lets nothing else release

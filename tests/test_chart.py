@@ -861,7 +861,7 @@ def test_helm_uninstall_first_runs_scrubgate_uninstall_with_the_rights_it_uses(h
             for r in rules
         ), f"{method} {path}: no rule allows {verb} {group}/{resource}"
     manual = render(helm, "--set", "uninstall.waitForTeardowns=false")
-    assert not [d for d in manual if d["metadata"]["name"] == "scrubgate-uninstall"], "the README's manual order"
+    assert not [d for d in manual if d["metadata"]["name"] == "scrubgate-uninstall"], "the manual order (operations.md)"
 
 
 def test_the_webhooks_skip_only_the_claims_of_the_policys_excluded_classes(helm: str):

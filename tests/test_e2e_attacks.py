@@ -37,6 +37,8 @@ from e2e_support import (
 from kubernetes import client as k8s
 from scrubgate.policies import names
 from scrubgate.policies.attestation import (
+    agent_reservations,
+    allocation_identity,
     build_payload,
     check_claim_attestation,
     load_private_key,
@@ -88,8 +90,8 @@ CLAIM_CONTROLLER = CLAIM_CONTROLLER_USER
 
 
 def deallocation(record: dict) -> bool:
-    """The resourceclaim controller's deallocation of a claim: refused until the agent's attestation is on it,
-    allowed and audited after break-glass. Not an attack: it runs beside them, whenever a claim is released."""
+    """A status write of the resourceclaim controller that admission refused or audited: a release before the
+    agent's attestation, which the agent's hold on every used claim keeps it from trying. Not an attack."""
     return record.get("subResource") == "status" and record["user"] == CLAIM_CONTROLLER
 
 
@@ -245,6 +247,7 @@ def attestation_for(
         finished_at=now,
         health={"eccUncorrectable": 0, "remapPending": False, "xids": []},
         consumers=reserved_pods(claim),
+        allocation=allocation_identity(claim, cluster.node),
     )
     return sign(payload, key, kid)
 
@@ -671,22 +674,18 @@ def test_break_glass_releases_the_claim_object_only(
     assert names.ANNOTATION_BREAK_GLASS in message
 
     # The agent is lost (kill -9: it fences nothing on the way out); the tenant's pod ends, the claim is
-    # released and waits on the finalizer, still allocated: the controller's deallocation is refused while no
-    # attestation is on it, and that allocation is what keeps the device from the next tenant.
+    # released and waits on the finalizer, still allocated: the agent's hold in its reservedFor keeps the
+    # resourceclaim controller from deallocating it, and that allocation keeps the device from the next tenant.
     next_ns = tenant_namespace(cluster, "bg-next")
     with agent_lost(cluster):
         cluster.core("alice").delete_namespaced_pod("orphan", ns)
         released = wait_for(
-            lambda: (
-                (c := cluster.claim(ns, name))
-                and c["metadata"].get("deletionTimestamp")
-                and any(deallocation(r) and r["name"] == name for r in cluster.audit_denials("SG007"))
-                and c
-            ),
+            lambda: (c := cluster.claim(ns, name)) and c["metadata"].get("deletionTimestamp") and c,
             WAIT_S,
-            f"claim {ns}/{name} released, waiting on {names.FINALIZER}, its deallocation refused",
+            f"claim {ns}/{name} released, waiting on {names.FINALIZER}",
         )
         assert (released.get("status") or {}).get("allocation"), f"claim {ns}/{name} deallocated unattested"
+        assert agent_reservations(released), f"claim {ns}/{name} lost the agent's hold"
         # A just-released claim is where a forged status or a replay would matter most: still refused.
         for user, body in (
             ("alice", stripping(released)),
@@ -704,19 +703,9 @@ def test_break_glass_releases_the_claim_object_only(
         tenant_pod(cluster, "bob", next_ns, "next", template="same-gpu", look_for=CANARY)
         wait_for(lambda: _unschedulable(cluster, next_ns, "next"), WAIT_S, f"pod {next_ns}/next turned away")
 
-        # An admin breaks glass: allowed, and audited; it lets the claim object go, not the allocation. The
-        # controller retries its deallocation at that update, refused: nothing fenced the device.
+        # An admin breaks glass: allowed, and audited; it lets the claim object go, not the allocation, which
+        # the agent's hold keeps until its attestation (nothing fenced the device).
         book.allowed(lambda: patch(cluster, "admin", released, reason, "merge"))
-        refusal = wait_for(
-            lambda: [
-                r
-                for r in cluster.audit_denials("SG007", name=name, subResource="status")
-                if "break-glass (node agent lost (test)) lets it go only once" in r["findings"][0]["message"]
-            ],
-            WAIT_S,
-            "the controller's deallocation after break-glass, refused",
-        )
-        assert refusal[0]["user"] == CLAIM_CONTROLLER
         glass = current(cluster, released)
         book.allowed(
             lambda: patch(cluster, "admin", glass, stripping(glass)),
@@ -727,7 +716,7 @@ def test_break_glass_releases_the_claim_object_only(
         # The claim object stays: Kubernetes' delete-protection holds it until the allocation goes.
         stuck = current(cluster, released)
         assert stuck["metadata"]["finalizers"] == [names.DELETE_PROTECTION_FINALIZER]
-        assert stuck["status"]["allocation"] and not fence_history(cluster, uid)
+        assert stuck["status"]["allocation"] and agent_reservations(stuck) and not fence_history(cluster, uid)
         assert cluster.pod(next_ns, "next")["status"]["phase"] == "Pending"
 
     # The agent came back; it scrubs and attests on the claim, and only then does the allocation go.
@@ -793,13 +782,11 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
     assert [(d["device"], d["verified"]) for d in payload["devices"]] == [(device[2], True)]
     assert CANARY.encode() not in cluster.gpu_memory(cluster.device_uuid(device[2]))
 
-    # One record per denial (and per break-glass), in order: none lost, none extra. Beside them, only the
-    # controller's deallocations: refused (each claim released before its attestation), or the one allowed
-    # by break-glass.
+    # One record per denial (and per break-glass), in order: none lost, none extra. The resourceclaim
+    # controller never tried to release a claim before its attestation: the agent's hold kept it from that.
     assert book.expected, "no attack ran"
     assert [summary(r) for r in attack_records(cluster)] == book.expected
-    deallocations = [summary(r) for r in cluster.audit_records() if deallocation(r)]
-    assert deallocations and {(r.rules, r.decision) for r in deallocations} == {(("SG007",), "deny")}
+    assert [summary(r) for r in cluster.audit_records() if deallocation(r)] == []
     result = cluster.verify_audit()
     assert result.returncode == 0, f"scrubgate audit verify: {result.stdout}{result.stderr}"
 

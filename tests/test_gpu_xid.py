@@ -85,7 +85,7 @@ def test_a_task_named_like_an_xid_that_crashes_fences_nothing(node, open_nvml, c
     assert wait_for(lambda: running.health(other["uuid"], 0).xids == (62, 64))
     assert running.health(gpu["uuid"], 0).xids == ()
     fresh = open_nvml(watch_xids=True)  # an agent restarted later reads all of it again
-    assert wait_for(lambda: fresh.health(other["uuid"], 0).xids) == (62, 64)
+    assert wait_for(lambda: fresh.health(other["uuid"], 0).xids == (62, 64))
     assert fresh.health(gpu["uuid"], 0).xids == ()
 
 

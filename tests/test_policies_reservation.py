@@ -146,3 +146,45 @@ def test_while_held_the_controllers_drop_of_an_ended_pod_is_made_a_no_op():
         )
         == []
     )
+
+
+def test_with_the_attestation_on_it_the_controllers_drop_of_the_ended_pods_is_the_release():
+    """Issue 29 item 2: once the agent's attestation of this allocation is on a held claim, the controller's next
+    drop of its ended pods is made the release it would have made without the hold (holds and pods out, the
+    allocation cleared where its delete-protection finalizer is on), in the controller's own write: the agent
+    writes nothing more, and no write of the agent's races the controller's. That write then passes SG007."""
+    import jsonpatch
+    from scrubgate.policies.engine import Admission, default
+    from test_policies_deallocation import NVIDIA_CLASSES, POLICY
+
+    identity = {"reservation": "hold-1", "allocatedAt": None}
+    finalizers = (names.FINALIZER, names.DELETE_PROTECTION_FINALIZER)
+    attestation = attested(allocation=identity, consumers=[("p1", "pod-1")])
+    claim = allocated(recorded=False, finalizers=finalizers, annotations=attestation)
+    held = reserved(claim, POD, hold())
+    admission = Admission("UPDATE", CONTROLLER, (), old_object=held, subresource="status")
+    (finding,) = default(reserved(held, hold()), POLICY, "UPDATE", admission, NVIDIA_CLASSES)
+    assert finding.rule == "SG007" and "released with the attestation" in finding.message
+    released = jsonpatch.apply_patch(reserved(held, hold()), list(finding.patch))
+    assert released["status"]["reservedFor"] == [] and "allocation" not in released["status"]
+    assert status_update(held, released, CONTROLLER) == [], "SG007 lets the attested release through"
+
+    # Without delete-protection (the controller would not clear the allocation either): the reservation only.
+    plain = reserved(allocated(recorded=False, annotations=attestation), POD, hold())
+    (finding,) = default(reserved(plain, hold()), POLICY, "UPDATE", admission_for(plain), NVIDIA_CLASSES)
+    assert [op["path"] for op in finding.patch] == ["/status/reservedFor"]
+
+    # A later pod still uses the claim, or the attestation is of another hold: the ended pod is kept, as before.
+    for old, new in (
+        (reserved(held, POD, PENDING, hold()), reserved(held, PENDING, hold())),
+        (reserved(held, POD, hold("node-a", "hold-2")), reserved(held, hold("node-a", "hold-2"))),
+    ):
+        (finding,) = default(new, POLICY, "UPDATE", admission_for(old), NVIDIA_CLASSES)
+        assert "kept in the reservation" in finding.message
+        assert jsonpatch.apply_patch(new, list(finding.patch))["status"] == old["status"]
+
+
+def admission_for(old: dict[str, Any]):
+    from scrubgate.policies.engine import Admission
+
+    return Admission("UPDATE", CONTROLLER, (), old_object=old, subresource="status")

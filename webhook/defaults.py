@@ -46,6 +46,6 @@ METRICS_PORT: Final = 9401
 # Seconds a stopping webhook waits for the answers under way (the Deployment's grace period is 30 s, 5 of them
 # preStop).
 GRACEFUL_SHUTDOWN_S: Final = 20.0
-# The names (subject CN or a DNS SAN) an --client-ca certificate must carry to be the API server's: the CN the
-# README's and devcluster's client certificate for webhooks carry. Another certificate of the same CA is refused.
+# The names (subject CN or a DNS SAN) an --client-ca certificate must carry to be the API server's: the CN that
+# the client certificate for webhooks of docs/install.md and devcluster carries. Another one of the same CA is refused.
 CLIENT_NAMES: Final = ("kube-apiserver",)

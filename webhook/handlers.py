@@ -119,10 +119,13 @@ def handle_mutate(request: AdmissionRequest, policy: PolicyConfig, classes: Devi
 
 def _safe(op: dict[str, object], ops: list[dict[str, object]]) -> bool:
     """An add, the removal of a finalizer entry the same patch first tests to be scrubgate's, or a held claim's
-    reservation restored (policies/release_guard.kept_consumers_patch: it only puts back what the write dropped)."""
+    reservation restored or, with its attestation, released (policies/release_guard.kept_consumers_patch: it puts
+    back what the write dropped, or empties the reservation and with it the allocation)."""
     if op.get("op") in ("add", "test"):
         return True
     if op.get("op") == "replace" and op.get("path") == "/status/reservedFor":
         return True
+    if op == {"op": "remove", "path": "/status/allocation"}:
+        return {"op": "replace", "path": "/status/reservedFor", "value": []} in ops
     ours = {"op": "test", "path": op.get("path"), "value": FINALIZER}
     return op.get("op") == "remove" and str(op.get("path", "")).startswith("/metadata/finalizers/") and ours in ops
