@@ -97,15 +97,6 @@ def pod_claim_names(pod: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def pod_owner(claim: dict[str, Any]) -> str | None:
-    """The UID of the pod a claim generated from a template belongs to (its controller ownerReference)."""
-    for ref in _list(_meta(claim).get("ownerReferences")):
-        r = _dict(ref)
-        if r.get("kind") == "Pod" and r.get("controller") is True and isinstance(r.get("uid"), str):
-            return r["uid"]
-    return None
-
-
 def pod_finished(pod: dict[str, Any]) -> bool:
     return _dict(pod.get("status")).get("phase") in ("Succeeded", "Failed")
 
