@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import claim_consumers, deleted_before_allocation
+from scrubgate.policies.attestation import claim_consumers
 
 from . import nvidia
 from .checkpoint import CheckpointStore, ClaimRef, State, Teardown
@@ -22,7 +22,6 @@ from .claims import (
     SliceDevice,
     allocated_devices,
     created_at,
-    finalizer_removal_ops,
     pod_claim_names,
     pod_finished,
     recorded_devices,
@@ -31,7 +30,7 @@ from .claims import (
     unheld_devices,
     unscrubbable,
 )
-from .kube import ClusterClient, ClusterError, Conflict, NotFound
+from .kube import ClusterClient, ClusterError
 from .node_view import NodeView
 from .release import ReleaseChecks
 from .teardown import TeardownEngine
@@ -141,13 +140,8 @@ class Intake:
                 continue
             if finished and not allocated_devices(claim) and not recorded_devices(claim):
                 # kube-controller-manager (1.37) makes a new claim from the template for a pod that has ended
-                # once it deleted the pod's claim, then deletes that one too. It never holds a device: its
-                # finalizer goes once it is being deleted. Where that comes after the pod's last event,
-                # scrubgate's controller removes it (its informer sees every claim).
-                if deleted_before_allocation(claim):
-                    self._drop_finalizer(claim)
-                else:
-                    self.view.look_again_at_end(uid, name)
+                # once it deleted the pod's claim, then deletes that one too. It never holds a device: scrubgate's
+                # controller removes its finalizer once it is being deleted (its informer sees every claim).
                 continue
             self.follow(claim)
 
@@ -232,29 +226,6 @@ class Intake:
             ),
             None,
         )
-
-    def _drop_finalizer(self, claim: Claim) -> None:
-        """A claim deleted before it ever held a device: nothing to scrub, and no agent will attest it, so its
-        finalizer goes (the webhook allows it). scrubgate's controller may try too; the patch's tests let one
-        win."""
-        meta = claim.get("metadata") or {}
-        ops = finalizer_removal_ops(claim, None)
-        if ops is None:
-            return
-        try:
-            self.cluster.patch_claim(meta.get("namespace") or "", meta.get("name") or "", ops)
-            log.info(
-                "claim %s/%s: deleted before it held a device; removed %s",
-                meta.get("namespace"),
-                meta.get("name"),
-                names.FINALIZER,
-            )
-        except (Conflict, NotFound):
-            pass  # the controller was first, or it changed: the controller's informer sees it again
-        except ClusterError as exc:
-            log.warning(
-                "claim %s/%s: cannot remove %s: %s", meta.get("namespace"), meta.get("name"), names.FINALIZER, exc
-            )
 
     # ---------------------------------------------------------------- new allocations
 

@@ -172,35 +172,27 @@ def test_the_attestation_and_the_finalizers_removal_are_one_update_of_the_claim(
     assert node.violations.found == []
 
 
-def test_a_claim_made_for_a_pod_that_had_ended_loses_the_finalizer_at_the_pod_event(tmp_path):
-    """kube-controller-manager deletes an ended pod's claim, makes a new one from the template (it does not
-    check that the pod ended), names it in the pod's status and deletes it. The webhook put our finalizer on
-    it; it never held a device. The pod's event, not the claim resync minutes later, lets it go."""
+def test_claims_that_never_held_a_device_are_left_to_the_controller(tmp_path):
+    """kube-controller-manager deletes an ended pod's claim, makes a new one from the template (it does not check
+    that the pod ended), names it in the pod's status and deletes it; a running pod's claim may be deleted before
+    its allocation. Neither ever held a device: the agent writes nothing to them, neither at the pod's events
+    nor at a resync; scrubgate's controller removes their finalizer (tests/test_controller.py)."""
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
-    node.cluster.add_claim("team-a", "job-2", [])
-    stored = node.cluster.claims[("team-a", "job-2")]
-    del stored["status"]["allocation"]
-    node.cluster.delete_claim("team-a", "job-2")  # deletionTimestamp set, held by our finalizer
-    pod = node.cluster.add_pod("team-a", "job-pod", NODE, ["job-2"])
-    lists = node.cluster.calls.count("list_node_claims")
-    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
-    assert ("team-a", "job-2") not in node.cluster.claims, "finalizer removed, the claim went"
-    assert node.cluster.calls.count("list_node_claims") == lists, "no claim list needed"
+    pods = {}
+    for name in ("job-2", "pending"):
+        node.cluster.add_claim("team-a", name, [])
+        del node.cluster.claims[("team-a", name)]["status"]["allocation"]
+        node.cluster.delete_claim("team-a", name)  # deletionTimestamp set, held by our finalizer
+        pods[name] = node.cluster.add_pod("team-a", f"{name}-pod", NODE, [name])
+    agent.observe_pod("ADDED", pods["pending"])
+    agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pods["job-2"]["metadata"]["uid"], "Succeeded"))
+    agent.resync()
+    assert "patch_claim" not in node.cluster.calls
+    for name in ("job-2", "pending"):
+        assert names.FINALIZER in node.cluster.claims[("team-a", name)]["metadata"]["finalizers"]
     assert agent.store.teardowns == {} and not node.cluster.rules
-
-
-def test_a_running_pods_claim_being_deleted_before_allocation_keeps_the_finalizer_until_the_pod_ends(tmp_path):
-    node = make_node(tmp_path)
-    agent = node.agent()
-    agent.start()
-    node.cluster.add_claim("team-a", "pending", [])
-    del node.cluster.claims[("team-a", "pending")]["status"]["allocation"]
-    node.cluster.delete_claim("team-a", "pending")
-    pod = node.cluster.add_pod("team-a", "pending-pod", NODE, ["pending"])
-    agent.observe_pod("ADDED", pod)
-    assert names.FINALIZER in node.cluster.claims[("team-a", "pending")]["metadata"]["finalizers"]
 
 
 def test_a_pods_end_is_read_once_not_at_each_of_its_events(tmp_path):
