@@ -43,6 +43,7 @@ from scrubgate.policies.attestation import (
     AttestationError,
     build_payload,
     check_claim_attestation,
+    claim_consumers,
     claimed_devices,
     load_private_key,
     sign,
@@ -901,9 +902,23 @@ class TeardownEngine:
                 self.fencer.lift(td, list(self.store.teardowns.values()))
                 log.info("claim %s: fences of %s lifted", td.claim, ", ".join(d.key for d in td.fence_targets()))
         self._remove_finalizer(td)
-        self.release_hold(td)
+        if not self._controller_releases(td):
+            self.release_hold(td)
         self._forget(td)
         return None
+
+    def _controller_releases(self, td: Teardown) -> bool:
+        """Whether the resourceclaim controller makes the release itself: the claim, as the attestation's write
+        left it, is reserved for ended pods beside this node's hold, and for nothing else. That write sends the
+        controller the claim; it drops the pods, and the webhook's /mutate makes its drop the release (holds and
+        allocation out: policies/release_guard.kept_consumers_patch). Then the agent writes nothing more, so no
+        write of its races the controller's (a conflict, a retry in its rate-limited queue). Anything else (a
+        PodGroup, a claim read afresh, no hold) the agent releases itself."""
+        claim = self._claims.get(td.claim.uid)
+        if claim is None or node_hold(claim, self.node) is None:
+            return False
+        consumers = claim_consumers(claim)
+        return bool(consumers) and all(resource == "pods" for resource, _, _ in consumers)
 
     def _on_failed(self, td: Teardown) -> Outcome:
         if not td.failure_reported:

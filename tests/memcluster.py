@@ -422,19 +422,24 @@ class InMemoryCluster:
 
     def deallocate(self, namespace: str, name: str, *, bypass: bool = False) -> bool:
         """What kube-controller-manager's resourceclaim controller does once a claim's pods have ended
-        (pkg/controller/resourceclaim/controller.go, syncClaim): drop them from its reservation (a no-op while a
-        node agent holds the claim: /mutate keeps them), and clear the allocation only once nobody is left, where the
-        `guard` lets it (else it is retried at the claim's next change); `bypass`: the guard is not asked (a
-        webhook bypassed or uninstalled, whoever clears the allocation then clears every consumer with it).
-        Returns whether the allocation went."""
+        (pkg/controller/resourceclaim/controller.go, syncClaim), through the webhook: drop them from its reservation
+        and clear the allocation once nobody is left, where the `guard` lets it (else it is retried at the claim's
+        next change). While a node agent holds the claim, /mutate (kept_consumers_patch) keeps the ended pods (the
+        write stores nothing) until the claim carries the attestation, and then makes the drop the release: holds,
+        pods and allocation go in the controller's write. `bypass`: the guard is not asked (a webhook bypassed or
+        uninstalled, whoever clears the allocation then clears every consumer with it). Returns whether the
+        allocation went."""
         with self._lock:
             key = (namespace, name)
             claim = self.claims[key]
             status = claim.setdefault("status", {})
-            kept = [c for c in status.get("reservedFor") or [] if c.get("resource") != "pods" or c.get("apiGroup")]
-            if kept and not bypass:
-                # Held: the webhook's /mutate keeps the ended pods too (kept_consumers_patch), so the controller's
-                # write stores nothing; synced again at the claim's next change, the hold's release.
+            reserved = status.get("reservedFor") or []
+            kept = [c for c in reserved if c.get("resource") != "pods" or c.get("apiGroup")]
+            holds_only = all(c.get("apiGroup") == names.RESERVATION_GROUP for c in kept)
+            released = holds_only and len(kept) < len(reserved) and self.guard is not None
+            if kept and not bypass and not (released and self.guard(copy.deepcopy(claim))):
+                # Held, not yet attested (or reserved for something the controller does not drop): the ended pods
+                # stay, the controller's write stores nothing; synced again at the claim's next change.
                 self._deallocating.add(key)
                 return False
             allocated = status.get("allocation")

@@ -278,3 +278,22 @@ def test_a_claim_reserved_for_a_pod_group_is_released_once_the_group_is_gone(tmp
     )
     assert {"name": "trainers", "uid": "group-1"} in payload["consumers"]
     assert claim["metadata"]["uid"] == payload["claim"]["uid"]
+
+
+def test_after_its_attestation_the_agent_writes_nothing_more_the_controllers_drop_is_the_release(tmp_path):
+    """Issue 29 item 2: the attestation's write sends the resourceclaim controller the claim; its drop of the ended
+    pod, through /mutate, takes the hold and the allocation with it. The agent makes no status write of its own
+    after the hold, so none of its writes races the controller's."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    assert node.cluster.requests()["patch_claim_status"] == 1, "the hold"
+    agent.observe_pod("MODIFIED", node.finish(pod))
+    node.settle(agent)
+    assert node.clean(0) and not node.cluster.rules
+    assert node.cluster.requests()["patch_claim_status"] == 1, "no release of the agent's own"
+    assert ("team-a", "job") not in node.cluster.claims, "released by the controller's write, and deleted"
+    assert node.cluster.refused_deallocations == 0
+    assert node.violations.found == []
