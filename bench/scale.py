@@ -10,9 +10,9 @@ and pods, so their agents track as many claims as any node would.
 
 Production intervals, in a shortened window: the agents run with their production intervals (resync 30 s, claim
 resync 600 s) times `--window` / 600, and each N is measured over a window of `--window` seconds, which stands for
-10 minutes of production time; rates are per production second. Each window starts as the agents are restarted
-(an agent's start-up reads are counted, and its next claim resync falls just after the window: one full claim
-list per 10 minutes, as in production) and lasts `--window` seconds.
+10 minutes of production time; rates are per production second. Each window starts as the agents, killed, start
+again (an agent's start-up reads are counted, and its next claim resync falls just after the window: one list of
+every claim per 10 minutes, as in production) and lasts `--window` seconds.
 
 What is counted comes from kube-apiserver itself: its audit log (a policy the bench writes, bench/scale_audit.py)
 records every request of the agents' ServiceAccount (each agent told apart by the node its token is bound to) and
@@ -82,29 +82,30 @@ class ScaleCluster:
         nodes' claims and pods."""
         self.cluster.create_namespace(NAMESPACE, trusted=True)
         real = [node.name for node in self.cluster.nodes]
-        self._in_parallel(self._populate_real, real)
+        self.claims += sum(self._in_parallel(self._populate_real, real))
         self.nodes = len(real)
 
     def grow(self, nodes: int) -> None:
         names = [f"scale-node-{i:05d}" for i in range(self.nodes, nodes)]
 
-        def add(name: str) -> None:
+        def add(name: str) -> int:
             self.cluster.request("POST", "/api/v1/nodes", node_object(name))
             slices = driver.resource_slices(name, devices(self.gpus, 7 if self.mig else 0))
             for body in slices:
                 self.cluster.request("POST", driver.SLICES_PATH, body)
-            self._populate(name, slices)
+            return self._populate(name, slices)
 
-        self._in_parallel(add, names)
+        self.claims += sum(self._in_parallel(add, names))
         self.nodes = max(self.nodes, nodes)
 
-    def _populate_real(self, node: str) -> None:
+    def _populate_real(self, node: str) -> int:
         query = [("fieldSelector", f"spec.nodeName={node}")]
-        self._populate(node, self.cluster.request("GET", driver.SLICES_PATH, query=query)["items"])
+        return self._populate(node, self.cluster.request("GET", driver.SLICES_PATH, query=query)["items"])
 
-    def _populate(self, node: str, slices: list[dict[str, Any]]) -> None:
-        """A pod bound to `node` and a claim allocated for it on each leaf device of its slices."""
-        for device in leaf_devices(slices, self.mig):
+    def _populate(self, node: str, slices: list[dict[str, Any]]) -> int:
+        """A pod bound to `node` and a claim allocated for it on each leaf device of its slices; how many."""
+        leaves = leaf_devices(slices, self.mig)
+        for device in leaves:
             name = f"{node}-{device}"
             created_pod = self.cluster.request(
                 "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod(name, NAMESPACE, node, name)
@@ -113,11 +114,11 @@ class ScaleCluster:
             created = self.cluster.request("POST", path, claim(name, NAMESPACE, self.mig, {NODE_LABEL: node}))
             body = allocated(created, node, device, name, created_pod["metadata"]["uid"])
             self.cluster.request("PUT", f"{path}/{name}/status", body)
-            self.claims += 1
+        return len(leaves)
 
-    def _in_parallel(self, work: Callable[[str], None], items: list[str]) -> None:
+    def _in_parallel(self, work: Callable[[str], int], items: list[str]) -> list[int]:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="scale") as pool:
-            list(pool.map(work, items))
+            return list(pool.map(work, items))
 
     def wait_agents_settled(self) -> None:
         """Until every claim on a real node carries the agent's record of its devices (its first writes done)."""
@@ -157,7 +158,6 @@ def measure(scale: ScaleCluster, window_s: float, audit_log: Path, agent_user: s
     return Step(
         nodes=scale.nodes,
         claims=scale.claims,
-        setup_s=0.0,
         agents=agents,
         central=(sum(r for r, _ in central_counts), sum(o for _, o in central_counts)),
         calls=calls,
@@ -213,7 +213,6 @@ def main() -> int:
                 log(f"{scale.nodes} nodes, {scale.claims} claims after {setup:.0f}s; measuring {args.window:g}s")
                 scale.wait_agents_settled()
                 step = measure(scale, args.window, cluster.control_plane.audit_log, agent_user, args.central_user)
-                step.setup_s = setup
                 steps.append(step)
                 log(json.dumps({"nodes": step.nodes, "agents": step.agents, "central": step.central}))
                 began = time.monotonic()

@@ -64,18 +64,32 @@ def call_of(event: dict[str, Any]) -> str:
         return f"{verb} {str(event.get('requestURI') or '?').split('?', 1)[0]}"
     resource = str(ref.get("resource") or "?")
     call = f"{verb} {resource}" + (f"/{ref['subresource']}" if ref.get("subresource") else "")
-    if verb not in ("list", "watch"):
-        return call
-    scope = "cluster" if resource in CLUSTER_SCOPED else "one namespace" if ref.get("namespace") else "all namespaces"
     query = parse_qs(urlsplit(str(event.get("requestURI") or "")).query)
-    # which fields and labels select, not their values: one agent's node is another's
-    selected = sorted(
-        term.split("=", 1)[0].rstrip("!")
-        for key in ("fieldSelector", "labelSelector")
-        for value in query.get(key, [])
-        for term in value.split(",")
-    )
-    return f"{call} ({scope}{'; by ' + ', '.join(selected) if selected else ''})"
+    notes = []
+    if verb in ("list", "watch"):
+        notes.append(
+            "cluster" if resource in CLUSTER_SCOPED else "one namespace" if ref.get("namespace") else "all namespaces"
+        )
+        # which fields and labels select, not their values: one agent's node is another's
+        selected = sorted(
+            term.split("=", 1)[0].rstrip("!")
+            for key in ("fieldSelector", "labelSelector")
+            for value in query.get(key, [])
+            for term in value.split(",")
+        )
+        if selected:
+            notes.append(f"by {', '.join(selected)}")
+    if verb in READS:
+        notes.append(read_from(query.get("resourceVersion", [""])[0]))
+    return f"{call} ({'; '.join(notes)})" if notes else call
+
+
+def read_from(resource_version: str) -> str:
+    """Where kube-apiserver serves a read from: no resourceVersion asks for the latest (a GET goes to etcd, a LIST
+    to etcd or, with ConsistentListFromCache, to the watch cache once it has caught up); "0", any cached version."""
+    if not resource_version:
+        return "latest"
+    return "cache" if resource_version == "0" else "at a version"
 
 
 def objects_returned(event: dict[str, Any]) -> int:

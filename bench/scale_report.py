@@ -36,7 +36,6 @@ class Step:
 
     nodes: int
     claims: int
-    setup_s: float  # creating this step's objects
     agents: dict[str, tuple[int, int]]  # per agent (client): requests, objects returned, in the window
     central: tuple[int, int] = (0, 0)  # the central component's, all its users together
     calls: Counter[str] = field(default_factory=Counter)  # the agents' requests by call, all agents together

@@ -98,16 +98,20 @@ def test_each_request_counts_once_in_the_window_watches_when_they_start() -> Non
     assert traffic.objects == Counter({first: 6, second: 1})
     assert traffic.clients(AGENT) == [first, second]
     assert traffic.calls[first] == Counter(
-        {"list resourceclaims (one namespace)": 1, "get resourceclaims": 1, "watch pods (one namespace)": 1}
+        {
+            "list resourceclaims (one namespace; latest)": 1,
+            "get resourceclaims (latest)": 1,
+            "watch pods (one namespace)": 1,
+        }
     )
 
 
 def test_a_call_names_the_scope_of_a_list() -> None:
-    assert call_of(event("list", namespace=None)) == "list resourceclaims (all namespaces)"
-    assert call_of(event("list")) == "list resourceclaims (one namespace)"
-    assert call_of(event("list", namespace=None, resource="resourceslices")) == "list resourceslices (cluster)"
-    assert call_of({**event("get"), "objectRef": {**event("get")["objectRef"], "subresource": "status"}}) == (
-        "get resourceclaims/status"
+    assert call_of(event("list", namespace=None)) == "list resourceclaims (all namespaces; latest)"
+    assert call_of(event("list")) == "list resourceclaims (one namespace; latest)"
+    assert call_of(event("watch", namespace=None, resource="resourceslices")) == "watch resourceslices (cluster)"
+    assert call_of({**event("patch"), "objectRef": {**event("get")["objectRef"], "subresource": "status"}}) == (
+        "patch resourceclaims/status"
     )
     assert call_of({"verb": "get", "requestURI": "/version?timeout=5s"}) == "get /version"
 
@@ -124,7 +128,7 @@ def test_the_policy_records_the_measured_users_reads_whole_and_nothing_of_anyone
 
 def step(nodes: int, per_agent: tuple[int, int], central: tuple[int, int] = (0, 0)) -> Step:
     agents = {f"{AGENT}@gpu-node-{i}": per_agent for i in range(1, 4)}
-    return Step(nodes=nodes, claims=8 * nodes, setup_s=1.0, agents=agents, central=central)
+    return Step(nodes=nodes, claims=8 * nodes, agents=agents, central=central)
 
 
 def test_rates_are_per_production_second_and_extrapolated_to_every_node() -> None:
@@ -167,6 +171,14 @@ def test_every_leaf_device_of_a_node_gets_a_claim_allocated_on_its_pool() -> Non
 def test_a_call_names_what_selects_a_list_but_not_the_value() -> None:
     listed = event("list", namespace=None, resource="pods")
     listed["requestURI"] = "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1&limit=500"
-    assert call_of(listed) == "list pods (all namespaces; by spec.nodeName)"
-    listed["requestURI"] = "/api/v1/pods?labelSelector=app%21%3Dx%2Ctier%3Dweb"
-    assert call_of(listed) == "list pods (all namespaces; by app, tier)"
+    assert call_of(listed) == "list pods (all namespaces; by spec.nodeName; latest)"
+    listed["requestURI"] = "/api/v1/pods?labelSelector=app%21%3Dx%2Ctier%3Dweb&resourceVersion=0"
+    assert call_of(listed) == "list pods (all namespaces; by app, tier; cache)"
+
+
+def test_a_read_says_whether_it_asked_for_the_latest_or_a_cached_version() -> None:
+    got = event("get")
+    got["requestURI"] = "/apis/resource.k8s.io/v1/namespaces/a/resourceclaims/c?resourceVersion=0"
+    assert call_of(got) == "get resourceclaims (cache)"
+    got["requestURI"] = "/apis/resource.k8s.io/v1/namespaces/a/resourceclaims/c?resourceVersion=42"
+    assert call_of(got) == "get resourceclaims (at a version)"
