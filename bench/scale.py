@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 # devcluster and bench are at the repo root, not installed packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,6 +61,10 @@ from devcluster.harness import Cluster, wait_for
 NAMESPACE = "scale"
 NODE_LABEL = "bench.scrubgate.dev/node"  # on the bench's claims: the node they are allocated on
 SETTLE_TIMEOUT_S = 300.0
+# What a write may meet under the bench's own load and is worth trying again: a webhook call that failed (a
+# connection the webhook closed as kube-apiserver reused it), API Priority and Fairness turning it away.
+TRANSIENT = (429, 500, 503, 504)
+ATTEMPTS = 5
 
 
 def log(message: str) -> None:
@@ -89,10 +94,10 @@ class ScaleCluster:
         names = [f"scale-node-{i:05d}" for i in range(self.nodes, nodes)]
 
         def add(name: str) -> int:
-            self.cluster.request("POST", "/api/v1/nodes", node_object(name))
+            self._create("/api/v1/nodes", node_object(name))
             slices = driver.resource_slices(name, devices(self.gpus, 7 if self.mig else 0))
             for body in slices:
-                self.cluster.request("POST", driver.SLICES_PATH, body)
+                self._create(driver.SLICES_PATH, body)
             return self._populate(name, slices)
 
         self.claims += sum(self._in_parallel(add, names))
@@ -105,16 +110,39 @@ class ScaleCluster:
     def _populate(self, node: str, slices: list[dict[str, Any]]) -> int:
         """A pod bound to `node` and a claim allocated for it on each leaf device of its slices; how many."""
         leaves = leaf_devices(slices, self.mig)
+        path = self.cluster.resource_path("resourceclaims", NAMESPACE)
         for device in leaves:
             name = f"{node}-{device}"
-            created_pod = self.cluster.request(
-                "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod(name, NAMESPACE, node, name)
-            )
-            path = self.cluster.resource_path("resourceclaims", NAMESPACE)
-            created = self.cluster.request("POST", path, claim(name, NAMESPACE, self.mig, {NODE_LABEL: node}))
+            created_pod = self._create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod(name, NAMESPACE, node, name))
+            created = self._create(path, claim(name, NAMESPACE, self.mig, {NODE_LABEL: node}))
             body = allocated(created, node, device, name, created_pod["metadata"]["uid"])
-            self.cluster.request("PUT", f"{path}/{name}/status", body)
+            self._retried(lambda body=body, name=name: self.cluster.request("PUT", f"{path}/{name}/status", body))
         return len(leaves)
+
+    def _create(self, collection: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST, tried again on a transient failure; an object an earlier try created is read back."""
+
+        def create() -> dict[str, Any]:
+            try:
+                return self.cluster.request("POST", collection, body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                return self.cluster.request("GET", f"{collection}/{body['metadata']['name']}")
+
+        return self._retried(create)
+
+    @staticmethod
+    def _retried(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        attempt = 1
+        while True:
+            try:
+                return call()
+            except ApiException as exc:
+                if exc.status not in TRANSIENT or attempt == ATTEMPTS:
+                    raise
+                time.sleep(0.1 * 2**attempt)
+                attempt += 1
 
     def _in_parallel(self, work: Callable[[str], int], items: list[str]) -> list[int]:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="scale") as pool:
