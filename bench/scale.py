@@ -1,5 +1,6 @@
-"""What each node agent asks of the API server as the cluster grows: per-agent requests/s and objects/s at
-N = 10, 100, 1,000 nodes, with the same claims per node.
+"""What each node agent asks of kube-apiserver as the cluster grows, at the same claims per node.
+
+Per-agent requests/s and objects/s at N = 10, 100, 1,000 nodes.
 
 One local installation (devcluster.harness: the real control plane, the real webhook, `--agents` simulated GPU
 nodes with the kubelet stand-in, the driver and the real agent), grown to each N in turn with nodes that are
