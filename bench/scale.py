@@ -9,18 +9,18 @@ leaf device (GPU, or MIG slice) a claim allocated and reserved for a pod bound t
 to the API server by a few parallel connections (bench/scale_objects.py). The real nodes get the same claims
 and pods, so their agents track as many claims as any node would.
 
-Production intervals, in a shortened window: the agents run with their production intervals (resync 30 s, claim
-resync 600 s) times `--window` / 600, and each N is measured over a window of `--window` seconds, which stands for
-10 minutes of production time; rates are per production second. Each window starts as the agents, killed, start
-again (an agent's start-up reads are counted, and its next claim resync falls just after the window: one list of
-every claim per 10 minutes, as in production) and lasts `--window` seconds.
+Production intervals, in a shortened window: the agents run with their production resync (30 s) times `--window` /
+600, and each N is measured over a window of `--window` seconds, which stands for 10 minutes of production time;
+rates are per production second. Each window starts as the agents, killed, start again: an agent's start-up reads
+are counted once per 10 minutes (agents that listed every claim at start and every 10 minutes did so once per
+window, as in production; one that reads only its own node's claims pays its start-up list once per window, more
+than in production).
 
 What is counted comes from kube-apiserver itself: its audit log (a policy the bench writes, bench/scale_audit.py)
 records every request of the agents' ServiceAccount (each agent told apart by the node its token is bound to) and
-of each `--central-user` (a cluster-wide component, if one runs: give its user name), with the response of their
-reads; requests are counted by when they were received, objects returned are the items of a list and one per
-get (a watch's events are not in the audit log: the agents watch only their own node's pods, which do not change
-here). scrubgate's total is the per-agent rate times N plus the central component's; beside it, the kubelets'
+of scrubgate's controller (or of each `--central-user`), with the response of their reads; requests are counted
+by when they were received, objects returned are the items of a list and one per get (a watch's events are not
+in the audit log: the agents watch only their own node's pods and claims, which do not change here). scrubgate's total is the per-agent rate times N plus the central component's; beside it, the kubelets'
 periodic requests at that N (bench/scale_report.py states the model and its sources).
 
     .venv/bin/python bench/scale.py [--nodes 10 100 1000] [--mig] [--window 60] [--agents 3]
@@ -149,18 +149,22 @@ class ScaleCluster:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="scale") as pool:
             return list(pool.map(work, items))
 
-    def wait_agents_settled(self) -> None:
-        """Until every claim on a real node carries the agent's record of its devices (its first writes done)."""
+    def wait_settled(self) -> None:
+        """Until scrubgate's first writes are done: every claim on a real node carries its agent's record of its
+        devices, and every claim its node's label (the agent's, or scrubgate's controller's for the others)."""
         real = ",".join(node.name for node in self.cluster.nodes)
         path = self.cluster.resource_path("resourceclaims", NAMESPACE)
 
         def settled() -> bool:
             ours = self.cluster.request("GET", path, query=[("labelSelector", f"{NODE_LABEL} in ({real})")])["items"]
-            return bool(ours) and all(
-                names.ANNOTATION_DEVICES in (c["metadata"].get("annotations") or {}) for c in ours
+            unlabelled = self.cluster.request("GET", path, query=[("labelSelector", f"!{names.LABEL_NODE}")])
+            return (
+                bool(ours)
+                and all(names.ANNOTATION_DEVICES in (c["metadata"].get("annotations") or {}) for c in ours)
+                and not unlabelled["items"]
             )
 
-        wait_for(settled, SETTLE_TIMEOUT_S, "the agents' record of their claims' devices", interval=1.0)
+        wait_for(settled, SETTLE_TIMEOUT_S, "scrubgate's first writes on the bench's claims", interval=1.0)
 
 
 def measure(scale: ScaleCluster, window_s: float, audit_log: Path, agent_user: str, central: list[str]) -> Step:
@@ -202,7 +206,11 @@ def main() -> int:
     parser.add_argument(
         "--window", type=float, default=60.0, help="seconds measured per size, standing for 10 production minutes"
     )
-    parser.add_argument("--central-user", action="append", default=[], help="a central component's user name")
+    parser.add_argument(
+        "--central-user",
+        action="append",
+        help="a central component's user name (default: scrubgate's controller's ServiceAccount)",
+    )
     parser.add_argument("--workers", type=int, default=8, help="parallel connections creating the objects")
     parser.add_argument("--workdir", type=Path, help="where the installation lives (default: a temporary dir)")
     args = parser.parse_args()
@@ -211,7 +219,7 @@ def main() -> int:
         parser.error(f"--nodes {sizes[0]}: fewer nodes than --agents {args.agents}")
 
     factor = args.window / PRODUCTION_WINDOW_S
-    agent_args = ["--resync", f"{30 * factor:g}", "--claim-resync", f"{600 * factor:g}"]
+    agent_args = ["--resync", f"{30 * factor:g}"]
     print(f"{time.strftime('%Y-%m-%d')}; {machine()}")
     print(f"command: python bench/scale.py {' '.join(sys.argv[1:])}".rstrip())
     print(
@@ -220,10 +228,13 @@ def main() -> int:
         f"a window of {args.window:g} s per size stands for {PRODUCTION_WINDOW_S:g} s"
     )
     agent_user = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
+    central = args.central_user or [
+        f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.CONTROLLER_SERVICE_ACCOUNT}"
+    ]
     steps = []
     with tempfile.TemporaryDirectory(prefix="sg-scale-bench-", dir=args.workdir) as base:
         policy = Path(base) / "audit-policy.yaml"
-        policy.write_text(yaml.safe_dump(audit_policy([agent_user, *args.central_user])))
+        policy.write_text(yaml.safe_dump(audit_policy([agent_user, *central])))
         with Cluster(
             Path(base) / "cluster",
             nodes=args.agents,
@@ -240,8 +251,8 @@ def main() -> int:
                 scale.grow(nodes)
                 setup = time.monotonic() - began
                 log(f"{scale.nodes} nodes, {scale.claims} claims after {setup:.0f}s; measuring {args.window:g}s")
-                scale.wait_agents_settled()
-                step = measure(scale, args.window, cluster.control_plane.audit_log, agent_user, args.central_user)
+                scale.wait_settled()
+                step = measure(scale, args.window, cluster.control_plane.audit_log, agent_user, central)
                 steps.append(step)
                 log(json.dumps({"nodes": step.nodes, "agents": step.agents, "central": step.central}))
                 began = time.monotonic()

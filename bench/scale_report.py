@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-PRODUCTION_WINDOW_S = 600.0  # what one window of the bench stands for: the agents' claim resync, 10 minutes
+PRODUCTION_WINDOW_S = 600.0  # what one window of the bench stands for: 10 minutes
 LEASE_RENEW_S = 40 * 0.25
 NODE_STATUS_REPORT_S = 300.0
 BAR = 1.25  # per-agent rates at the largest N over those at the smallest
