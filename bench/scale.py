@@ -20,7 +20,9 @@ What is counted comes from kube-apiserver itself: its audit log (a policy the be
 records every request of the agents' ServiceAccount (each agent told apart by the node its token is bound to) and
 of scrubgate's controller (or of each `--central-user`), with the response of their reads; requests are counted
 by when they were received, objects returned are the items of a list and one per get (a watch's events are not
-in the audit log: the agents watch only their own node's pods and claims, which do not change here). scrubgate's total is the per-agent rate times N plus the central component's; beside it, the kubelets'
+in the audit log: the agents watch only their own node's pods and claims, which do not change here). The central component is not restarted and keeps its own intervals (leader election renewals every 2 s),
+so its rates are per second of the window itself, and its start-up list of every claim (once per leader) is not in
+them. scrubgate's total is the per-agent rate times N plus the central component's; beside it, the kubelets'
 periodic requests at that N (bench/scale_report.py states the model and its sources).
 
     .venv/bin/python bench/scale.py [--nodes 10 100 1000] [--mig] [--window 60] [--agents 3]
@@ -192,6 +194,7 @@ def measure(scale: ScaleCluster, window_s: float, audit_log: Path, agent_user: s
         nodes=scale.nodes,
         claims=scale.claims,
         agents=agents,
+        window_s=window_s,
         central=(sum(r for r, _ in central_counts), sum(o for _, o in central_counts)),
         calls=calls,
     )

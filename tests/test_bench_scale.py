@@ -126,14 +126,15 @@ def test_the_policy_records_the_measured_users_reads_whole_and_nothing_of_anyone
     assert "RequestReceived" in policy["omitStages"]
 
 
-def step(nodes: int, per_agent: tuple[int, int], central: tuple[int, int] = (0, 0)) -> Step:
+def step(nodes: int, per_agent: tuple[int, int], central: tuple[int, int] = (0, 0), window_s: float = 60) -> Step:
     agents = {f"{AGENT}@gpu-node-{i}": per_agent for i in range(1, 4)}
-    return Step(nodes=nodes, claims=8 * nodes, agents=agents, central=central)
+    return Step(nodes=nodes, claims=8 * nodes, agents=agents, window_s=window_s, central=central)
 
 
-def test_rates_are_per_production_second_and_extrapolated_to_every_node() -> None:
-    s = step(1000, (600, 6000), central=(1200, 60))
+def test_agents_rates_are_per_production_second_the_central_ones_per_second_and_the_total_at_every_node() -> None:
+    s = step(1000, (600, 6000), central=(120, 6), window_s=60)
     assert s.per_agent() == (600 / PRODUCTION_WINDOW_S, 6000 / PRODUCTION_WINDOW_S)
+    assert s.central_rates() == (2.0, 0.1)  # not shortened: the window's own seconds
     assert s.total() == (1000 * 1.0 + 2.0, 1000 * 10.0 + 0.1)
     assert "| 1000 | 8000 | 1.000 | 10.00 | 2.000, 0.10 | 1002.0 | 10000 | 103.3 |" in table([s])
 
