@@ -33,7 +33,10 @@ gets a DeviceTaintRule ("fence") only on rare paths (a failed scrub, a bypassed 
 devices, the agent's shutdown): the fence rows say how many claims had one, and n/a when none did. Times come
 from the observer's watch of claims, fences and pods; the kube-scheduler rows from its /metrics before and
 after the run (failed attempts, and the pods that ResourceSlice updates, DeviceTaintRules included, and claim
-updates put back into its queue). API requests per claim come from kube-apiserver's /metrics read the same
+updates put back into its queue). Failed syncs per claim of kube-controller-manager's resourceclaim controller come
+from its /metrics read the same way (workqueue_retries_total of its queue `resource_claim`: each sync that failed and
+was put back rate-limited, as a deallocation refused until the attestation or a conflicting write is; every retry
+shares the controller's one token bucket). API requests per claim come from kube-apiserver's /metrics read the same
 way: all it received (apiserver_request_total), and scrubgate's share, those it received only because
 scrubgate is installed: the agent's (counted by API Priority and Fairness under a FlowSchema of their own,
 `scrubgate-agent`, created for the run with the priority level they had, so they are served as before), those

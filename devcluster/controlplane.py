@@ -134,7 +134,9 @@ class ControlPlane:
     ``runtime_config`` adds ``--runtime-config`` entries (``resource.k8s.io/v1/devicetaintrules=false``).
     ``client_qps`` sets the client rate limit of kube-controller-manager and kube-scheduler (``--kube-api-qps``,
     burst twice that); None keeps their defaults (20 and 50 requests/s), which bound a cluster's pod churn:
-    the resourceclaim controller makes four to six requests for every pod with a claim."""
+    the resourceclaim controller makes four to six requests for every pod with a claim.
+    ``audit_policy``: kube-apiserver writes an audit log (JSON lines, ``audit_log``) by that policy file; None
+    (the default): no audit log."""
 
     def __init__(
         self,
@@ -146,9 +148,11 @@ class ControlPlane:
         runtime_config: tuple[str, ...] = (),
         controllers: bool = True,
         client_qps: float | None = None,
+        audit_policy: Path | None = None,
         ready_timeout: float = 120.0,
     ) -> None:
         self.root = root
+        self.audit_policy = audit_policy
         self.client_qps = client_qps
         self.runtime_config = runtime_config
         self.controllers = controllers
@@ -162,6 +166,7 @@ class ControlPlane:
         self.etcd_peer_port = free_port()
         self.port = free_port()
         self.scheduler_port = free_port()  # kube-scheduler's /metrics (its queue's counters)
+        self.controller_manager_port = free_port()  # kube-controller-manager's /metrics (its workqueues' retries)
         self.credentials: dict[str, Credential] = {}
         self.etcd = ManagedProcess("etcd", [], self.logs / "etcd.log")
         self.apiserver = ManagedProcess("kube-apiserver", [], self.logs / "kube-apiserver.log")
@@ -181,6 +186,11 @@ class ControlPlane:
     @property
     def version(self) -> str:
         return self.bins.version
+
+    @property
+    def audit_log(self) -> Path:
+        """kube-apiserver's audit log, written where ``audit_policy`` is given."""
+        return self.logs / "audit.jsonl"
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -347,6 +357,14 @@ class ControlPlane:
         ]
         if self.admission_config is not None:
             argv.append(f"--admission-control-config-file={self.admission_config}")
+        if self.audit_policy is not None:
+            # blocking mode (the default of the log backend): every event is on disk when its request is answered
+            argv += [
+                f"--audit-policy-file={self.audit_policy}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=0",  # one file, never rotated: the bench reads it whole
+            ]
         return argv
 
     def _controller_manager_argv(self) -> list[str]:
@@ -356,24 +374,33 @@ class ControlPlane:
             "--use-service-account-credentials",
             f"--root-ca-file={self.pki.ca_cert}",
             f"--controllers={','.join(CONTROLLERS)}",
+            *self._serving_flags(),
+            secure_port=self.controller_manager_port,
         )
 
     def _scheduler_argv(self) -> list[str]:
-        # It serves with the API server's certificate, takes the cluster CA's client certificates (not looked up
-        # in kube-system: no front proxy here) and asks kube-apiserver who may read what (the admin: /metrics).
         return self._component_argv(
-            "kube-scheduler",
-            "scheduler",
+            "kube-scheduler", "scheduler", *self._serving_flags(), secure_port=self.scheduler_port
+        )
+
+    def _serving_flags(self) -> tuple[str, ...]:
+        """A component's serving port (its /metrics): the API server's certificate, the cluster CA's client
+        certificates (not looked up in kube-system: no front proxy here), and kube-apiserver asked who may read
+        what (the admin: /metrics)."""
+        return (
             f"--tls-cert-file={self.pki.serving_cert}",
             f"--tls-private-key-file={self.pki.serving_key}",
             f"--client-ca-file={self.pki.ca_cert}",
             "--authentication-skip-lookup",
-            secure_port=self.scheduler_port,
         )
 
     def scheduler_metrics(self) -> str:
         """kube-scheduler's /metrics (Prometheus text), read as the admin."""
         return self._metrics("kube-scheduler", self.scheduler_port)
+
+    def controller_manager_metrics(self) -> str:
+        """kube-controller-manager's /metrics (Prometheus text), read as the admin."""
+        return self._metrics("kube-controller-manager", self.controller_manager_port)
 
     def apiserver_metrics(self) -> str:
         """kube-apiserver's own /metrics (Prometheus text), read as the admin."""

@@ -313,7 +313,8 @@ class Cluster:
     namespaces of ``create_namespace``); ``agent``, the agent's ServiceAccount (a TokenRequest token).
 
     ``nodes`` simulated GPU nodes (``self.nodes``, gpu-node-1, ...), each with ``gpus`` GPUs of ``mig_per_gpu``
-    MIG slices and its own agent. The single-node attributes (``node``, ``agent``, ``node_process``, ``gpu_dir``,
+    MIG slices and its own agent. ``audit_policy``: kube-apiserver's audit log by that policy (see ControlPlane).
+    The single-node attributes (``node``, ``agent``, ``node_process``, ``gpu_dir``,
     ``gpus()``, ``wait_agent_ready()``, ...) are the first node's.
     """
 
@@ -334,6 +335,7 @@ class Cluster:
         namespace: str = names.SYSTEM_NAMESPACE,
         client_qps: float | None = None,
         helm_set: Iterable[str] = (),
+        audit_policy: Path | None = None,
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -364,6 +366,7 @@ class Cluster:
             version=version,
             admission_config=self.paths.admission_config,
             client_qps=client_qps,
+            audit_policy=audit_policy,
             ready_timeout=ready_timeout,
         )
         self._agent_args = list(agent_args)

@@ -134,6 +134,7 @@ class LoadResult:
     # None when their /metrics could not be read
     scheduling: Counter[str] | None = None
     api_requests: Counter[str] | None = None
+    controller: Counter[str] | None = None  # kube-controller-manager's (see `controller_counts`)
     notes: list[str] = field(default_factory=list)  # what kept the run from completing in time
 
     @property
@@ -196,6 +197,7 @@ class LoadResult:
             ),
             ("devices reused by a later claim", str(self.reallocations)),
             *self._scheduling_rows(),
+            ("resourceclaim controller: failed syncs per claim", self._failed_syncs()),
             ("API requests per claim (scrubgate's share)", self._api_requests()),
             ("kube-apiserver: scrubgate webhook calls per claim, mean wait", self._webhook_calls()),
             ("CPU per claim: control plane / scrubgate's webhook and agents", self._cpu_per_claim()),
@@ -209,6 +211,17 @@ class LoadResult:
         if self.scheduling is None:
             return None
         return self.scheduling["attempts/unschedulable"] / max(len(self.claims), 1)
+
+    @property
+    def failed_syncs_per_claim(self) -> float | None:
+        if self.controller is None:
+            return None
+        return self.controller[CLAIM_RETRIES] / max(len(self.claims), 1)
+
+    def _failed_syncs(self) -> str:
+        if self.controller is None:
+            return "n/a"
+        return f"{self.failed_syncs_per_claim:.2f} ({self.controller[CLAIM_RETRIES]:.0f} in all)"
 
     def _scheduling_rows(self) -> list[tuple[str, str]]:
         failed, moved = "n/a", "n/a"
@@ -269,6 +282,15 @@ Keys = Callable[[dict[str, str]], tuple[str, ...]]
 SCHEDULER_COUNTERS: dict[str, Keys] = {
     "scheduler_schedule_attempts_total": lambda labels: (f"attempts/{labels.get('result')}",),
     "scheduler_queue_incoming_pods_total": lambda labels: (f"requeued/{labels.get('event')}",),
+}
+
+# kube-controller-manager's resourceclaim controller puts a claim back with AddRateLimited only when its sync
+# failed (pkg/controller/resourceclaim/controller.go, processNextWorkItem), which client-go's workqueue counts
+# as a retry of its queue, "resource_claim" (component-base/metrics/prometheus/workqueue: workqueue_retries_total).
+CLAIM_QUEUE = "resource_claim"
+CLAIM_RETRIES = "claim-retries"
+CONTROLLER_COUNTERS: dict[str, Keys] = {
+    "workqueue_retries_total": lambda labels: (CLAIM_RETRIES,) if labels.get("name") == CLAIM_QUEUE else (),
 }
 
 # kube-apiserver counts requests by resource and verb, not by who made them; API Priority and Fairness counts
@@ -347,6 +369,12 @@ def scheduler_counts(cluster: Cluster) -> Counter[str] | None:
     """kube-scheduler's schedule attempts by result (`attempts/<result>`) and pods put back into its queues by
     event (`requeued/<event>`); None when its /metrics cannot be read."""
     return _read_counters(cluster.control_plane.scheduler_metrics, SCHEDULER_COUNTERS)
+
+
+def controller_counts(cluster: Cluster) -> Counter[str] | None:
+    """kube-controller-manager's failed syncs of the resourceclaim controller (see CONTROLLER_COUNTERS); None when its
+    /metrics cannot be read."""
+    return _read_counters(cluster.control_plane.controller_manager_metrics, CONTROLLER_COUNTERS)
 
 
 def apiserver_counts(cluster: Cluster) -> Counter[str] | None:
@@ -433,6 +461,7 @@ class LoadRun:
         self.outcomes: dict[tuple[str, str], ClaimOutcome] = {}  # by (namespace, pod)
         self._scheduling_before: Counter[str] | None = None
         self._api_before: Counter[str] | None = None
+        self._controller_before: Counter[str] | None = None
         self._cpu_before: Counter[str] = Counter()
         self.notes: list[str] = []
 
@@ -441,6 +470,7 @@ class LoadRun:
         self._set_up()
         self._scheduling_before = scheduler_counts(self.cluster)
         self._api_before = apiserver_counts(self.cluster)
+        self._controller_before = controller_counts(self.cluster)
         self._cpu_before = cpu_seconds(self.cluster)
         started = time.monotonic()
         if self._submit_all(deadline):
@@ -610,6 +640,7 @@ class LoadRun:
             agent_overhead=_histogram(cluster, "scrubgate_agent_teardown_overhead_seconds"),
             scheduling=counted_since(self._scheduling_before, scheduler_counts(cluster)),
             api_requests=counted_since(self._api_before, apiserver_counts(cluster)),
+            controller=counted_since(self._controller_before, controller_counts(cluster)),
             cpu_s=cpu_seconds(cluster) - self._cpu_before,
             notes=self.notes,
         )
