@@ -307,6 +307,7 @@ def replayable(shared_cluster: Cluster) -> str:
     tenant_pod(shared_cluster, "bob", ns, "short", template="one-gpu", run_seconds=2)
     claim = running_claim(shared_cluster, ns, "short")
     wait_gone(shared_cluster, ns, claim["metadata"]["name"])
+    shared_cluster.observer.sync()
     for event in claim_history(shared_cluster, claim["metadata"]["uid"]):
         token = (event.obj["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
         if token:
@@ -673,22 +674,19 @@ def test_break_glass_releases_the_claim_object_only(
     assert names.ANNOTATION_BREAK_GLASS in message
 
     # The agent is lost (kill -9: it fences nothing on the way out); the tenant's pod ends, the claim is
-    # released and waits on the finalizer, still allocated: the controller's deallocation is refused while no
-    # attestation is on it, and that allocation is what keeps the device from the next tenant.
+    # released and waits on the finalizer, still allocated: the agent's hold (a consumer the resourceclaim
+    # controller keeps) stays until an attested release, and that allocation keeps the device from the next
+    # tenant.
     next_ns = tenant_namespace(cluster, "bg-next")
     with agent_lost(cluster):
         cluster.core("alice").delete_namespaced_pod("orphan", ns)
         released = wait_for(
-            lambda: (
-                (c := cluster.claim(ns, name))
-                and c["metadata"].get("deletionTimestamp")
-                and any(deallocation(r) and r["name"] == name for r in cluster.audit_denials("SG007"))
-                and c
-            ),
+            lambda: (c := cluster.claim(ns, name)) and c["metadata"].get("deletionTimestamp") and c,
             WAIT_S,
-            f"claim {ns}/{name} released, waiting on {names.FINALIZER}, its deallocation refused",
+            f"claim {ns}/{name} released, waiting on {names.FINALIZER}",
         )
         assert (released.get("status") or {}).get("allocation"), f"claim {ns}/{name} deallocated unattested"
+        assert held_by_the_agent(released), f"claim {ns}/{name} lost the agent's hold"
         # A just-released claim is where a forged status or a replay would matter most: still refused.
         for user, body in (
             ("alice", stripping(released)),
@@ -706,20 +704,11 @@ def test_break_glass_releases_the_claim_object_only(
         tenant_pod(cluster, "bob", next_ns, "next", template="same-gpu", look_for=CANARY)
         wait_for(lambda: _unschedulable(cluster, next_ns, "next"), WAIT_S, f"pod {next_ns}/next turned away")
 
-        # An admin breaks glass: allowed, and audited; it lets the claim object go, not the allocation. The
-        # controller retries its deallocation at that update, refused: nothing fenced the device.
+        # An admin breaks glass: allowed, and audited; it lets the claim object go, not the allocation, which
+        # the agent's hold keeps (nothing fenced the device).
         book.allowed(lambda: patch(cluster, "admin", released, reason, "merge"))
-        refusal = wait_for(
-            lambda: [
-                r
-                for r in cluster.audit_denials("SG007", name=name, subResource="status")
-                if "break-glass (node agent lost (test)) lets it go only once" in r["findings"][0]["message"]
-            ],
-            WAIT_S,
-            "the controller's deallocation after break-glass, refused",
-        )
-        assert refusal[0]["user"] == CLAIM_CONTROLLER
         glass = current(cluster, released)
+        assert held_by_the_agent(glass), f"break-glass on claim {ns}/{name} let the agent's hold go"
         book.allowed(
             lambda: patch(cluster, "admin", glass, stripping(glass)),
             Record(("SG007",), "audit", cluster.users["admin"].name, "UPDATE", ns, name),
@@ -729,6 +718,7 @@ def test_break_glass_releases_the_claim_object_only(
         # The claim object stays: Kubernetes' delete-protection holds it until the allocation goes.
         stuck = current(cluster, released)
         assert stuck["metadata"]["finalizers"] == [names.DELETE_PROTECTION_FINALIZER]
+        cluster.observer.sync()
         assert stuck["status"]["allocation"] and not fence_history(cluster, uid)
         assert cluster.pod(next_ns, "next")["status"]["phase"] == "Pending"
 
@@ -738,6 +728,7 @@ def test_break_glass_releases_the_claim_object_only(
     assert canary_found(next_pod) is False and CANARY.encode() not in cluster.gpu_memory(uuid)
     next_claim = running_claim(cluster, next_ns, "next")
     assert devices_of(next_claim) == [device]
+    cluster.observer.sync()
     history = claim_history(cluster, uid)
     broken = first_rv(history, lambda e: names.FINALIZER not in (e.obj["metadata"].get("finalizers") or []))
     attested = first_rv(history, is_attested)
@@ -759,6 +750,11 @@ def agent_lost(cluster: Cluster) -> Iterator[None]:
     finally:
         cluster.agent.start()
         cluster.wait_agent_ready()
+
+
+def held_by_the_agent(claim: dict) -> bool:
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    return any(r.get("resource") == names.RESERVATION_RESOURCE for r in reserved)
 
 
 def _unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
@@ -789,6 +785,8 @@ def _fences(rule: dict, claim_uid: str, device: str) -> bool:
 def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
     cluster: Cluster, book: AuditBook, victim: Victim
 ) -> None:
+    # One last attack of its own, so that the book below is never empty, whichever of the tests above ran.
+    claim_write_denied(cluster, book, "bob", victim.claim, stripping(current(cluster, victim.claim)))
     # The victim, attacked all along, still leaves the proper way: torn down, attested, scrubbed.
     payload = release(cluster, "alice", victim.namespace, victim.pod, victim.claim)
     (device,) = devices_of(victim.claim)
@@ -796,12 +794,11 @@ def test_every_attack_left_its_audit_record_and_no_trace_on_the_gpus(
     assert CANARY.encode() not in cluster.gpu_memory(cluster.device_uuid(device[2]))
 
     # One record per denial (and per break-glass), in order: none lost, none extra. Beside them, only the
-    # controller's deallocations: refused (each claim released before its attestation), or the one allowed
-    # by break-glass.
-    assert book.expected, "no attack ran"
+    # controller's deallocations: refused (each claim released before its attestation; the tests above release
+    # some, the victim's hold keeps its own claim from any).
     assert [summary(r) for r in attack_records(cluster)] == book.expected
     deallocations = [summary(r) for r in cluster.audit_records() if deallocation(r)]
-    assert deallocations and {(r.rules, r.decision) for r in deallocations} == {(("SG007",), "deny")}
+    assert {(r.rules, r.decision) for r in deallocations} <= {(("SG007",), "deny")}, deallocations
     result = cluster.verify_audit()
     assert result.returncode == 0, f"scrubgate audit verify: {result.stdout}{result.stderr}"
 
