@@ -271,7 +271,10 @@ def test_tampered_attestation_is_denied(key, keyed_policy):
     header, _, signature = attestation(key).split(".")
     _, other_payload, _ = attestation(key, uid="x").split(".")
     spliced = f"{header}.{other_payload}.{signature}"
-    assert verdict(update(released(old, spliced), old, keyed_policy)) == [("SG007", "deny")]
+    found = update(released(old, spliced), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    # Refused for its signature, not only because the spliced payload names another claim.
+    assert "attestation signature does not verify" in found[0].message, found[0].message
 
 
 def test_attestation_missing_an_allocated_device_is_denied(key, keyed_policy):
