@@ -35,8 +35,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Test files on TEST_WORKERS parallel workers (each e2e file starts its own control planes, mostly waiting on
+# them: two workers a core); TEST_WORKERS=0 runs them in this process, one at a time.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
 test: lint cluster-bins helm-bin promtool-bin
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/check_throughput.py

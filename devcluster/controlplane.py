@@ -321,6 +321,9 @@ class ControlPlane:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=devcluster={peer}",
             "--log-level=warn",
+            # Progress notifications every second (default 10 min) keep kube-apiserver's watch caches current
+            # while their resource does not change, so the bookmarks the observer's sync waits for advance.
+            "--watch-progress-notify-interval=1s",
             # As envtest does: a throwaway cluster on a shared disk; a crash test kills etcd, not the machine.
             "--unsafe-no-fsync",
         ]

@@ -182,6 +182,9 @@ class Observer:
         self._threads: list[threading.Thread] = []
         self._conns: dict[str, http.client.HTTPConnection] = {}
         self._synced: set[str] = set()
+        # How far each watch has read (events and bookmarks); absent for a resource the server does not serve.
+        self._positions: dict[str, int] = {}
+        self._paths: dict[str, str] = {}
 
     def start(self) -> Observer:
         for resource in self.RESOURCES:
@@ -200,6 +203,25 @@ class Observer:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
         for thread in self._threads:
             thread.join(timeout=10)
+
+    def sync(self, timeout: float = 30) -> int:
+        """Waits until every watch has read up to the API server's current resourceVersion, and returns it:
+        whatever changed before this call is then in ``events()``, so a check that something never happened
+        tests something. The watches advance on events, or on the bookmarks the server sends shortly before
+        each watch call times out; the consistent lists that read the target bring the server's watch cache
+        up to it first."""
+        target = 0
+        for path in list(self._paths.values()):
+            status, body = self._get(path)
+            if status != 200:
+                raise OSError(f"list {path} to sync the observer: HTTP {status}")
+            target = max(target, int(body["metadata"]["resourceVersion"]))
+        wait_for(
+            lambda: all(self._positions.get(r, 0) >= target for r in self._paths),
+            timeout,
+            f"the observer's watches reaching rv {target} (they are at {self._positions})",
+        )
+        return target
 
     def events(self, resource: str | None = None) -> list[Observed]:
         with self._lock:
@@ -258,6 +280,10 @@ class Observer:
         with self._lock:
             self._events.append(Observed(rv, resource, kind, obj, time.monotonic()))
 
+    def _advance(self, resource: str, rv: str) -> None:
+        with self._lock:
+            self._positions[resource] = max(self._positions.get(resource, 0), int(rv))
+
     def _run(self, resource: str) -> None:
         path: str | None = None
         rv = ""
@@ -268,6 +294,7 @@ class Observer:
                     if path is None:  # not served (e.g. no DeviceTaintRule API): nothing to watch
                         self._synced.add(resource)
                         return
+                    self._paths[resource] = path
                 if not rv:
                     status, body = self._get(path)
                     if status != 200:
@@ -275,6 +302,7 @@ class Observer:
                     rv = body["metadata"]["resourceVersion"]
                     for obj in body.get("items") or []:
                         self._record(resource, "SYNC", obj, int(obj["metadata"]["resourceVersion"]))
+                    self._advance(resource, rv)
                     self._synced.add(resource)
                 rv = self._watch(resource, path, rv)
             except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
@@ -291,7 +319,7 @@ class Observer:
         try:
             conn.request(
                 "GET",
-                f"{path}?watch=1&allowWatchBookmarks=true&timeoutSeconds=5&resourceVersion={rv}",
+                f"{path}?watch=1&allowWatchBookmarks=true&timeoutSeconds=3&resourceVersion={rv}",
                 headers={"Authorization": f"Bearer {self._token}"},
             )
             resp = conn.getresponse()
@@ -312,6 +340,7 @@ class Observer:
                 rv = obj["metadata"]["resourceVersion"]
                 if event["type"] != "BOOKMARK":
                     self._record(resource, event["type"], obj, int(rv))
+                self._advance(resource, rv)
             return rv
         finally:
             with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import random
 import shlex
 import signal
@@ -51,13 +52,28 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago (for servers that cannot report theirs), never one this
-    process handed out before. Taken below the kernel's ephemeral range: an ephemeral port can go to any
-    outgoing connection between this check and the server's bind (etcd failed so: "address already in use")."""
+def _port_range() -> range:
+    """Below the kernel's ephemeral range: an ephemeral port can go to any outgoing connection between the
+    check and the server's bind (etcd failed so: "address already in use"). Each of pytest-xdist's workers
+    (PYTEST_XDIST_WORKER gw0, gw1, ...) takes its own slice, as a port handed out but not yet bound in one
+    worker is free to the others' checks."""
     high = _ephemeral_low()
     low = max(1024, high - 12000)
-    for port in random.sample(range(low, high), min(500, high - low)):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if not worker.startswith("gw") or count < 2:
+        return range(low, high)
+    size = (high - low) // count
+    start = low + int(worker[2:]) % count * size
+    return range(start, start + size)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (for servers that cannot report theirs), never one this
+    process handed out before (see _port_range for where it is taken)."""
+    ports = _port_range()
+    low, high = ports.start, ports.stop
+    for port in random.sample(ports, min(500, len(ports))):
         if port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -33,7 +33,7 @@ from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation
 
 from devcluster import workloads
-from devcluster.harness import Cluster, Observed, denial, wait_for
+from devcluster.harness import Cluster, HarnessError, Observed, denial, wait_for
 from devcluster.kubelet import CANARY_FOUND
 
 WAIT_S = 30.0
@@ -201,17 +201,31 @@ def fence_history(cluster: Cluster, claim_uid: str) -> list[Observed]:
 
 
 def verified_attestation(cluster: Cluster, uid: str) -> dict:
-    """The payload of the first attestation seen on claim ``uid`` that verifies against the agent's key."""
-    for event in claim_history(cluster, uid):
-        token = (event.obj["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION)
-        if token:
-            return check_claim_attestation(token, event.obj, cluster.public_keys)
-    raise AssertionError(f"no attestation was ever seen on claim uid {uid}")
+    """The payload of the first attestation seen on claim ``uid`` that verifies against the agent's key (waited
+    for: callers know it was written from a direct read, which the observer's watch may trail)."""
+
+    def first_attested() -> Observed | None:
+        return next(
+            (
+                e
+                for e in claim_history(cluster, uid)
+                if names.ANNOTATION_ATTESTATION in (e.obj["metadata"].get("annotations") or {})
+            ),
+            None,
+        )
+
+    try:
+        event = wait_for(first_attested, WAIT_S, f"the observer to see an attestation on claim uid {uid}")
+    except HarnessError as exc:
+        raise AssertionError(f"no attestation was ever seen on claim uid {uid}") from exc
+    token = event.obj["metadata"]["annotations"][names.ANNOTATION_ATTESTATION]
+    return check_claim_attestation(token, event.obj, cluster.public_keys)
 
 
 def assert_invariant(cluster: Cluster) -> None:
     """No device allocated while dirty and no finalizer removed without a verified attestation, over
-    everything the observer saw; and the audit log's chain verifies."""
+    everything the observer saw (up to now); and the audit log's chain verifies."""
+    cluster.observer.sync()
     violations = cluster.observer.violations(cluster.public_keys)
     assert not violations, "scrubgate's invariant broke:\n" + "\n".join(violations)
     result = cluster.verify_audit()

@@ -103,6 +103,7 @@ def audited(cluster: Cluster, held: Held, user: str, fragment: str) -> list[dict
 def reused_after_the_fence_went(cluster: Cluster, held: Held, next_uid: str) -> None:
     """The next claim got the device only after the agent lifted its fence, which it does only after a
     verified scrub."""
+    cluster.observer.sync()
     lifted = first_rv(fence_history(cluster, held.uid), lambda e: e.type == "DELETED")
     reused = first_rv(claim_history(cluster, next_uid), is_allocated)
     assert lifted is not None and reused is not None and lifted < reused, (lifted, reused)
@@ -133,6 +134,7 @@ def test_a_failed_teardown_is_fenced_and_break_glass_lets_its_claim_go_while_the
     ns_a, ns_b = tenant_namespace(cluster, "failed-a"), tenant_namespace(cluster, "failed-b")
     create_template(cluster, "alice", ns_a, "one-gpu")
     held = hold_gpu(cluster, ns_a, "a", "one-gpu")
+    cluster.observer.sync()
     assert not fence_history(cluster, held.uid), "while the claim's allocation holds it, no fence"
 
     cluster.inject_fault(held.uuid, "scrub_error", "CUDA_ERROR_ILLEGAL_ADDRESS")
@@ -171,6 +173,7 @@ def test_a_failed_teardown_is_fenced_and_break_glass_lets_its_claim_go_while_the
     ] == [(held.uid, True)]
     # The observer reads attestations on claims only: it sees the device reused while the break-glass claim
     # had none. That is the one thing it reports, and the fence's order above is what made it safe.
+    cluster.observer.sync()
     violations = cluster.observer.violations(cluster.public_keys)
     assert len(violations) == 1 and f"(uid {held.uid}) that held it has no verified attestation" in violations[0]
 
@@ -188,11 +191,16 @@ def test_an_allocation_cleared_behind_scrubgates_back_is_fenced_at_once(
     cluster.request("PATCH", path, cleared, content_type="application/merge-patch+json")
     assert audited(cluster, held, cluster.users["admin"].name, "devices neither fenced nor attested clean")
     wait_for(lambda: fences(cluster, held), WAIT_S, "the agent's fence once it sees the allocation gone")
-    warnings = [
-        e
-        for e in cluster.request("GET", f"/api/v1/namespaces/{held.namespace}/events")["items"]
-        if e["reason"] == "UnattestedDeallocation" and e["involvedObject"].get("name") == held.claim
-    ]
+
+    # The agent posts the Event after the fence (and after counting it): waited for, then read for the counts.
+    def unattested_events() -> list[dict]:
+        return [
+            e
+            for e in cluster.request("GET", f"/api/v1/namespaces/{held.namespace}/events")["items"]
+            if e["reason"] == "UnattestedDeallocation" and e["involvedObject"].get("name") == held.claim
+        ]
+
+    warnings = wait_for(unattested_events, WAIT_S, f"the agent's UnattestedDeallocation Event about claim {held.claim}")
     assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
     assert "lost its allocation before the scrub of" in warnings[0]["message"]
     assert agent_counter(cluster, "scrubgate_agent_unattested_deallocations_total") == 1
@@ -233,6 +241,7 @@ def test_uninstall_mid_teardown_fences_before_the_guard_goes_and_a_reinstall_fin
     reused_after_the_fence_went(cluster, held, next_claim["metadata"]["uid"])
     next_tenants_find_nothing(cluster, ns_b, {"next": held.device})
     # What the observer reports is the deallocation made while scrubgate was not installed, and nothing else.
+    cluster.observer.sync()
     violations = cluster.observer.violations(cluster.public_keys)
     assert len(violations) == 1 and f"(uid {held.uid}) deallocated while" in violations[0], violations
 

@@ -371,3 +371,24 @@ def fenced(cluster: Cluster, namespace: str, name: str) -> bool:
 def unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
     conditions = ((cluster.pod(namespace, pod) or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
+
+
+def test_the_observer_has_every_change_made_before_a_sync(cluster: Cluster) -> None:
+    """What the checks above assert from the observer's watch-fed history holds only for what it has received:
+    after `observer.sync()`, a DeviceTaintRule (not scrubgate's) created and deleted at once is in it, and the
+    watches of the resources that changed since (none, here: pods and claims) stand at least at that rv too."""
+    path = cluster.resource_path("devicetaintrules", version=cluster.taint_rule_version())
+    rule = {
+        "metadata": {"name": "observer-probe"},
+        "spec": {
+            "deviceSelector": {"driver": "example.com"},
+            "taint": {"key": "example.com/probe", "value": "x", "effect": "NoSchedule"},
+        },
+    }
+    created = cluster.request("POST", path, rule)
+    cluster.request("DELETE", f"{path}/observer-probe")
+    synced = cluster.observer.sync()
+    seen = [e for e in cluster.observer.taint_rules() if e.obj["metadata"]["name"] == "observer-probe"]
+    # (kube-controller-manager's taint eviction controller may write its status in between)
+    assert seen and (seen[0].type, seen[-1].type) == ("ADDED", "DELETED"), [e.type for e in seen]
+    assert int(created["metadata"]["resourceVersion"]) < seen[-1].rv <= synced

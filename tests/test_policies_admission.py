@@ -245,18 +245,23 @@ def test_replayed_attestation_of_another_claim_is_denied(key, keyed_policy):
 def test_attestation_signed_with_another_key_is_denied(keyed_policy):
     old = allocated_claim()
     forged = attestation(Ed25519PrivateKey.generate())
-    assert verdict(update(released(old, forged), old, keyed_policy)) == [("SG007", "deny")]
+    found = update(released(old, forged), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "attestation signature does not verify" in found[0].message, found[0].message
 
 
 def test_attestation_with_an_unknown_key_id_is_denied(key, keyed_policy):
     old = allocated_claim()
     found = update(released(old, attestation(key, kid="other")), old, keyed_policy)
     assert verdict(found) == [("SG007", "deny")]
+    assert "key id 'other' is not among the policy's attestation keys" in found[0].message, found[0].message
 
 
 def test_no_configured_key_means_no_release(key, policy):
     old = allocated_claim()
-    assert verdict(update(released(old, attestation(key)), old, policy)) == [("SG007", "deny")]
+    found = update(released(old, attestation(key)), old, policy)
+    assert verdict(found) == [("SG007", "deny")]
+    assert "is not among the policy's attestation keys" in found[0].message, found[0].message
 
 
 def test_agent_without_an_attestation_is_denied(keyed_policy):
@@ -271,7 +276,10 @@ def test_tampered_attestation_is_denied(key, keyed_policy):
     header, _, signature = attestation(key).split(".")
     _, other_payload, _ = attestation(key, uid="x").split(".")
     spliced = f"{header}.{other_payload}.{signature}"
-    assert verdict(update(released(old, spliced), old, keyed_policy)) == [("SG007", "deny")]
+    found = update(released(old, spliced), old, keyed_policy)
+    assert verdict(found) == [("SG007", "deny")]
+    # Refused for its signature, not only because the spliced payload names another claim.
+    assert "attestation signature does not verify" in found[0].message, found[0].message
 
 
 def test_attestation_missing_an_allocated_device_is_denied(key, keyed_policy):
@@ -325,7 +333,9 @@ def test_admin_removing_the_finalizer_without_a_reason_is_denied(keyed_policy):
     new = copy.deepcopy(old)
     new["metadata"]["finalizers"] = [names.DELETE_PROTECTION_FINALIZER]
     new["metadata"]["annotations"][names.ANNOTATION_BREAK_GLASS] = "   "
-    assert verdict(update(new, old, keyed_policy, user="oncall", groups=ADMINS)) == [("SG007", "deny")]
+    found = update(new, old, keyed_policy, user="oncall", groups=ADMINS)
+    assert verdict(found) == [("SG007", "deny")]
+    assert f"user 'oncall' removed the {names.FINALIZER} finalizer" in found[0].message, found[0].message
 
 
 def test_non_admin_setting_break_glass_is_denied(keyed_policy):

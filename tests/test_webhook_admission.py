@@ -82,7 +82,8 @@ def test_retain_is_allowed_on_the_trusted_path(webhook):
 
 def test_a_dry_run_denial_is_recorded_as_dry_run(webhook):
     body = review(gpu_claim(annotations={names.ANNOTATION_DEALLOCATION_POLICY: "Retain"}), dry_run=True)
-    assert post_review(webhook, "/validate", body)["allowed"] is False
+    response = post_review(webhook, "/validate", body)
+    assert response["allowed"] is False and "SG001" in response["status"]["message"], response["status"]
     assert record_for(webhook, body["request"]["uid"])["dryRun"] is True
 
 
@@ -178,7 +179,7 @@ def test_an_attestation_for_another_claim_is_refused(webhook):
     body = review(_released(old, token), operation="UPDATE", old=old, user=AGENT_ON_NODE_1)
     response = post_review(webhook, "/validate", body)
     assert response["allowed"] is False
-    assert "attestation" in response["status"]["message"]
+    assert "attestation is for claim UID '00000000-0000-4000-8000-000000000099'" in response["status"]["message"]
 
 
 def test_break_glass_by_an_admin_is_allowed_and_audited(webhook):

@@ -108,7 +108,8 @@ def test_break_glass_deallocation_is_allowed_and_recorded_as_audit(webhook):
 def test_a_main_resource_record_has_an_empty_subresource(webhook):
     old = allocated_claim()
     body = review(with_changes(old, finalizers=[]), operation="UPDATE", old=old)
-    assert post_review(webhook, "/validate", body)["allowed"] is False
+    response = post_review(webhook, "/validate", body)
+    assert response["allowed"] is False and "SG007 finalizer-guard" in response["status"]["message"], response["status"]
     record = record_for(webhook, body["request"]["uid"])
     assert record["subResource"] == ""
     assert [f["path"] for f in record["findings"]] == ["/metadata/finalizers"]
