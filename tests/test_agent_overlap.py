@@ -272,7 +272,10 @@ def test_scheduler_does_not_hand_out_the_parent_gpu_while_the_slice_is_dirty(clu
     e2e_support.tenant_pod(
         cluster, "alice", ns, "slice-tenant", template="one-mig", canary=CANARY.decode(), run_seconds=1
     )
-    eventually(lambda: "gpu-0" in fences(), "the fences")
+    # The agent writes one DeviceTaintRule per device, one after the other: wait for both, then no third.
+    eventually(
+        lambda: {"gpu-0", "gpu-0-mig-0"} <= set(fences()), "the fences of the slice and, for its memory, the GPU"
+    )
     assert set(fences()) == {"gpu-0", "gpu-0-mig-0"}, "the slice and, for its memory, the GPU"
     eventually(lambda: names.TAINT_SCRUB_FAILED in fences().get("gpu-0-mig-0", set()), "the failed scrub", timeout=60)
     assert CANARY in cluster.gpu_memory(mig.uuid), "the slice is still dirty"
