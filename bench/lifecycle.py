@@ -126,6 +126,8 @@ def main() -> int:
         )
     ]
     results = []
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sg-lifecycle-bench-", dir=args.workdir) as base:
         for i, (parallelism, scrubgate, header) in enumerate(plan):
             spec = LoadSpec(

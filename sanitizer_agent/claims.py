@@ -206,17 +206,23 @@ def _consumer(ref: dict[str, Any]) -> str:
 
 def annotation_ops(claim: dict[str, Any], updates: dict[str, str]) -> list[dict[str, Any]]:
     """JSON patch setting `updates` on the claim, guarded by its UID. Where the claim has no annotations
-    yet, the map is added whole, guarded by the resourceVersion so that no concurrent writer's key is lost."""
+    yet, the map is added whole, guarded by a test that it still has none, so that no concurrent writer's key is
+    lost."""
     meta = _meta(claim)
     ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
     if isinstance(meta.get("annotations"), dict):
         ops += [{"op": "add", "path": f"/metadata/annotations/{_escape(k)}", "value": v} for k, v in updates.items()]
     else:
-        ops += [
-            {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
-            {"op": "add", "path": "/metadata/annotations", "value": dict(updates)},
-        ]
+        ops += added_whole("/metadata/annotations", dict(updates))
     return ops
+
+
+def added_whole(path: str, value: Any) -> list[dict[str, Any]]:
+    """JSON patch adding a map or list that the object does not have, failing if a concurrent writer added it
+    meanwhile. kube-apiserver's JSON patch (evanphx/json-patch, `test`) passes a test of null on a missing path;
+    a test of the resourceVersion instead would fail on any other write since the read (the resourceclaim
+    controller's, the garbage collector's), each failure costing a read and a second patch."""
+    return [{"op": "test", "path": path, "value": None}, {"op": "add", "path": path, "value": value}]
 
 
 def _is_hold(entry: dict[str, Any], node: str | None = None) -> bool:
@@ -243,7 +249,7 @@ def node_hold(claim: dict[str, Any], node: str) -> str | None:
 
 def hold_ops(claim: dict[str, Any], node: str, uid: str) -> list[dict[str, Any]] | None:
     """JSON patch of the claim's status adding `node`'s hold, guarded by the claim's UID and, while the claim is
-    reserved for nobody, its resourceVersion (no consumer of a concurrent writer lost); None when it has it, or
+    reserved for nobody, a test that it still is (no consumer of a concurrent writer lost); None when it has it, or
     the claim cannot take it (not allocated: nothing to hold; being deleted: the API server refuses new
     consumers then)."""
     meta, status = _meta(claim), _dict(claim.get("status"))
@@ -253,11 +259,7 @@ def hold_ops(claim: dict[str, Any], node: str, uid: str) -> list[dict[str, Any]]
     entry = hold_entry(node, uid)
     if isinstance(status.get("reservedFor"), list):
         return [*ops, {"op": "add", "path": "/status/reservedFor/-", "value": entry}]
-    return [
-        *ops,
-        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
-        {"op": "add", "path": "/status/reservedFor", "value": [entry]},
-    ]
+    return [*ops, *added_whole("/status/reservedFor", [entry])]
 
 
 def hold_release_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
@@ -286,7 +288,7 @@ def allocation_stamp(claim: dict[str, Any]) -> str | None:
 
 def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> list[dict[str, Any]] | None:
     """JSON patch removing `scrubgate.dev/sanitize`, failing if the claim changed since it was read (UID,
-    resourceVersion, finalizers, or the attestation it carries, unless None: a claim that never held a
+    allocation and consumers, finalizers, or the attestation it carries, unless None: a claim that never held a
     device, or a patch that writes the attestation itself); None when the finalizer is not there."""
     meta = _meta(claim)
     finalizers = _list(meta.get("finalizers"))
@@ -297,16 +299,30 @@ def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> lis
     ]
     return [
         {"op": "test", "path": "/metadata/uid", "value": meta.get("uid")},
-        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        *_as_read(claim),
         *(attested if attestation is not None else []),
         {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
         {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != names.FINALIZER]},
     ]
 
 
+def _as_read(claim: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON patch tests that what a release rests on is as read: the allocation and the consumers it is reserved
+    for. Not the resourceVersion: the garbage collector's delete of a generated claim, or the resourceclaim
+    controller's writes, change it while the teardown runs, and each such failure cost a read and a second patch.
+    A claim holding no allocation (deleted before it held a device) is tested on its resourceVersion."""
+    status = _dict(claim.get("status"))
+    if status.get("allocation") and isinstance(status.get("reservedFor"), list):
+        return [
+            {"op": "test", "path": "/status/allocation", "value": status["allocation"]},
+            {"op": "test", "path": "/status/reservedFor", "value": status["reservedFor"]},
+        ]
+    return [{"op": "test", "path": "/metadata/resourceVersion", "value": _meta(claim).get("resourceVersion")}]
+
+
 def finalizer_addition_ops(claim: dict[str, Any]) -> list[dict[str, Any]] | None:
     """JSON patch adding `scrubgate.dev/sanitize`, failing if the claim's finalizers changed since it was read
-    (where it has none, if anything changed); None when it is there already, or the claim is being deleted (the
+    (where it has none, if one was added); None when it is there already, or the claim is being deleted (the
     API server refuses new finalizers then)."""
     meta = _meta(claim)
     finalizers = meta.get("finalizers")
@@ -319,17 +335,13 @@ def finalizer_addition_ops(claim: dict[str, Any]) -> list[dict[str, Any]] | None
             {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
             {"op": "add", "path": "/metadata/finalizers/-", "value": names.FINALIZER},
         ]
-    return [
-        *ops,
-        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
-        {"op": "add", "path": "/metadata/finalizers", "value": [names.FINALIZER]},
-    ]
+    return [*ops, *added_whole("/metadata/finalizers", [names.FINALIZER])]
 
 
 def node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
     """JSON patch labelling the claim with its node (`scrubgate.dev/node`, by which that node's agent lists and
-    watches its claims), guarded by its UID and, where it has no labels yet, its resourceVersion; None when it has
-    the label already."""
+    watches its claims), guarded by its UID and, where it has no labels yet, a test that it still has none; None
+    when it has the label already."""
     meta = _meta(claim)
     labels = meta.get("labels")
     if isinstance(labels, dict) and labels.get(names.LABEL_NODE) == node:
@@ -337,11 +349,7 @@ def node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | N
     ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
     if isinstance(labels, dict):
         return [*ops, {"op": "add", "path": f"/metadata/labels/{_escape(names.LABEL_NODE)}", "value": node}]
-    return [
-        *ops,
-        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
-        {"op": "add", "path": "/metadata/labels", "value": {names.LABEL_NODE: node}},
-    ]
+    return [*ops, *added_whole("/metadata/labels", {names.LABEL_NODE: node})]
 
 
 def _escape(key: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import kube_json_patch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from memcluster import InMemoryCluster
 from scrubgate.policies import names
@@ -384,7 +385,7 @@ def _monitor(node: GpuNode) -> Callable[[str, tuple[Any, ...]], None]:
             # A claim deleted before it held a device owes no scrub (the webhook lets its finalizer go).
             if removes and claim is not None and not deleted_before_allocation(claim):
                 try:
-                    claim = jsonpatch.apply_patch(claim, ops)
+                    claim = kube_json_patch.apply_patch(claim, ops)
                 except jsonpatch.JsonPatchException:
                     return  # its tests fail: the API server refuses it
                 token = (claim["metadata"].get("annotations") or {}).get(names.ANNOTATION_ATTESTATION, "")

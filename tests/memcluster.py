@@ -25,6 +25,7 @@ from typing import Any
 
 import jsonpatch
 import jsonpointer
+import kube_json_patch
 from scrubgate.policies import names
 from scrubgate.sanitizer_agent.kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
 
@@ -109,7 +110,7 @@ class InMemoryCluster:
     @staticmethod
     def _patch(obj: dict[str, Any], ops: list[dict[str, Any]], what: str) -> dict[str, Any]:
         try:
-            patched = jsonpatch.apply_patch(obj, ops)
+            patched = kube_json_patch.apply_patch(obj, ops)
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
             raise Conflict(f"PATCH {what}: HTTP 422: {exc}", 422) from exc
         if patched["metadata"].get("uid") != obj["metadata"].get("uid"):

@@ -9,6 +9,7 @@ import threading
 import urllib.request
 
 import jsonpatch
+import kube_json_patch
 import pytest
 from agent_support import CANARY, DRIVER, NODE, claim_annotations, eventually, finalizer_removed, make_node, seed_api
 from k8s_support import api_server
@@ -87,34 +88,69 @@ def test_pod_claim_names_cover_named_and_generated_claims():
 
 def test_finalizer_addition_keeps_other_finalizers_and_fails_on_a_change():
     bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}  # the API omits an empty list
-    assert jsonpatch.apply_patch(bare, claims.finalizer_addition_ops(bare))["metadata"]["finalizers"] == [
-        names.FINALIZER
-    ]
+    ops = claims.finalizer_addition_ops(bare)
+    assert kube_json_patch.apply_patch(bare, ops)["metadata"]["finalizers"] == [names.FINALIZER]
+    # Another write since the read does not fail it; another writer's finalizer added meanwhile does.
+    assert kube_json_patch.apply_patch({"metadata": {"uid": "u", "resourceVersion": "6"}}, ops)["metadata"][
+        "finalizers"
+    ] == [names.FINALIZER]
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
-        jsonpatch.apply_patch({"metadata": {"uid": "u", "resourceVersion": "6"}}, claims.finalizer_addition_ops(bare))
+        kube_json_patch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs"]}}, ops)
     theirs = {"metadata": {"uid": "u", "finalizers": ["theirs"]}}
     ops = claims.finalizer_addition_ops(theirs)
-    assert jsonpatch.apply_patch(theirs, ops)["metadata"]["finalizers"] == ["theirs", names.FINALIZER]
+    assert kube_json_patch.apply_patch(theirs, ops)["metadata"]["finalizers"] == ["theirs", names.FINALIZER]
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
-        jsonpatch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs", "new"]}}, ops)
+        kube_json_patch.apply_patch({"metadata": {"uid": "u", "finalizers": ["theirs", "new"]}}, ops)
     assert claims.finalizer_addition_ops({"metadata": {"uid": "u", "finalizers": [names.FINALIZER]}}) is None
     assert (
         claims.finalizer_addition_ops({"metadata": {"uid": "u", "deletionTimestamp": "2025-01-01T00:00:00Z"}}) is None
     )
 
 
-def test_annotation_ops_never_drop_a_concurrent_writers_annotation():
+def test_annotation_and_label_ops_never_drop_a_concurrent_writers_key():
     bare = {"metadata": {"uid": "u", "resourceVersion": "5"}}
     ops = claims.annotation_ops(bare, {names.ANNOTATION_SCRUB_STATUS: "fenced"})
-    assert jsonpatch.apply_patch(bare, ops)["metadata"]["annotations"] == {names.ANNOTATION_SCRUB_STATUS: "fenced"}
+    assert kube_json_patch.apply_patch(bare, ops)["metadata"]["annotations"] == {
+        names.ANNOTATION_SCRUB_STATUS: "fenced"
+    }
     raced = {"metadata": {"uid": "u", "resourceVersion": "6", "annotations": {"theirs": "x"}}}
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
-        jsonpatch.apply_patch(raced, ops)
+        kube_json_patch.apply_patch(raced, ops)
     ops = claims.annotation_ops(raced, {names.ANNOTATION_SCRUB_STATUS: "verified"})
-    assert jsonpatch.apply_patch(raced, ops)["metadata"]["annotations"] == {
+    assert kube_json_patch.apply_patch(raced, ops)["metadata"]["annotations"] == {
         "theirs": "x",
         names.ANNOTATION_SCRUB_STATUS: "verified",
     }
+    label = claims.node_label_ops(bare, NODE)
+    moved = {"metadata": {"uid": "u", "resourceVersion": "7"}}  # written since, by the resourceclaim controller
+    assert kube_json_patch.apply_patch(moved, label)["metadata"]["labels"] == {names.LABEL_NODE: NODE}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        kube_json_patch.apply_patch({"metadata": {"uid": "u", "labels": {"team": "a"}}}, label)
+
+
+def test_the_finalizers_removal_rests_on_the_allocation_and_its_consumers_not_on_other_writes():
+    reserved = [{"resource": "pods", "name": "p", "uid": "pod-1"}]
+    claim = {
+        "metadata": {"uid": "u", "resourceVersion": "5", "finalizers": [names.FINALIZER]},
+        "status": {"allocation": {"devices": {"results": [{"device": "gpu-0"}]}}, "reservedFor": reserved},
+    }
+    ops = claims.finalizer_removal_ops(claim, None)
+    # The garbage collector deleted the generated claim since the read: the removal still applies.
+    deleted = {**claim, "metadata": {**claim["metadata"], "resourceVersion": "9", "deletionTimestamp": "t"}}
+    assert kube_json_patch.apply_patch(deleted, ops)["metadata"]["finalizers"] == []
+    # Another consumer since the read, or another allocation: it fails.
+    for changed in (
+        {**claim, "status": {**claim["status"], "reservedFor": [*reserved, {"resource": "pods", "uid": "pod-2"}]}},
+        {**claim, "status": {**claim["status"], "allocation": {"devices": {"results": [{"device": "gpu-1"}]}}}},
+    ):
+        with pytest.raises(jsonpatch.JsonPatchTestFailed):
+            kube_json_patch.apply_patch(changed, ops)
+    # A claim that never held a device is tested on its resourceVersion.
+    pending = {"metadata": {"uid": "u", "resourceVersion": "5", "finalizers": [names.FINALIZER]}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        kube_json_patch.apply_patch(
+            {"metadata": {**pending["metadata"], "resourceVersion": "6"}}, claims.finalizer_removal_ops(pending, None)
+        )
 
 
 def test_claim_prepared_by_nvidia_but_unknown_to_the_agent_is_fenced_and_scrubbed(tmp_path):
