@@ -57,6 +57,21 @@ def annotations(obj: dict[str, Any]) -> dict[str, Any]:
     return as_dict(metadata(obj).get("annotations"))
 
 
+def claim_metadatas(obj: dict[str, Any]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """The metadata a claim gets from a new claim or template, with where each is: a claim's own, and a
+    template's `spec.metadata` too (copied into every claim generated from it)."""
+    places = [("metadata",)]
+    if as_str(obj.get("kind")) == "ResourceClaimTemplate":
+        places.append(("spec", "metadata"))
+    found = []
+    for place in places:
+        node: Any = obj
+        for key in place:
+            node = as_dict(node).get(key)
+        found.append((place, as_dict(node)))
+    return found
+
+
 def is_claim(obj: dict[str, Any]) -> bool:
     api_version, kind = kind_of(obj)
     return kind in CLAIM_KINDS and api_version in RESOURCE_API_VERSIONS

@@ -10,7 +10,7 @@ from typing import Any
 from . import names
 from .config import PolicyConfig
 from .findings import Violation, pointer
-from .model import as_dict, as_str, metadata
+from .model import as_dict, as_str, claim_metadatas, metadata
 from .release_guard import claim_nodes
 from .requester import Requester, not_the_agents_node, object_name
 
@@ -59,14 +59,8 @@ def node_label_guard(obj: dict[str, Any], old: dict[str, Any], who: Requester, p
 def preset_node_label(obj: dict[str, Any], who: Requester, policy: PolicyConfig) -> list[Violation]:
     """SG007 on a new claim or template: none carries the node label (a template's `spec.metadata.labels` are
     copied into every claim generated from it), since neither the agent nor the controller creates claims."""
-    places = [("metadata",)]
-    if as_str(obj.get("kind")) == "ResourceClaimTemplate":
-        places.append(("spec", "metadata"))
-    violations: list[Violation] = []
-    for place in places:
-        node: Any = obj
-        for key in place:
-            node = as_dict(node).get(key)
-        if _node_label(as_dict(node)) is not None:
-            violations.append(_refusal(who, pointer(*place, "labels", names.LABEL_NODE)))
-    return violations
+    return [
+        _refusal(who, pointer(*place, "labels", names.LABEL_NODE))
+        for place, meta in claim_metadatas(obj)
+        if _node_label(meta) is not None
+    ]

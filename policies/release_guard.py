@@ -27,7 +27,7 @@ from .attestation import (
 )
 from .config import PolicyConfig
 from .findings import Violation, pointer
-from .model import annotations, as_dict, as_list, as_str, metadata
+from .model import annotations, as_dict, as_list, as_str, claim_metadatas, metadata
 from .requester import Requester, not_the_agents_node, object_name
 from .scope import Scope, guarded_devices
 
@@ -68,15 +68,9 @@ def preset_annotations(obj: dict[str, Any], who: Requester, policy: PolicyConfig
     """SG007 on a new claim or template (and in manifests): one that arrives already carrying the agent's
     annotations or a break-glass reason would skip the guard that UPDATEs get. A template's
     `spec.metadata.annotations` are copied into every claim generated from it."""
-    places = [("metadata",)]
-    if as_str(obj.get("kind")) == "ResourceClaimTemplate":
-        places.append(("spec", "metadata"))
     violations: list[Violation] = []
-    for place in places:
-        node: Any = obj
-        for key in place:
-            node = as_dict(node).get(key)
-        violations += _annotation_writes({}, as_dict(as_dict(node).get("annotations")), place, who, policy)
+    for place, meta in claim_metadatas(obj):
+        violations += _annotation_writes({}, as_dict(meta.get("annotations")), place, who, policy)
     return violations
 
 
