@@ -189,10 +189,14 @@ def run_rounds(
     done = threading.Event()  # the current list's watches end when it is set
     done.set()  # nothing listed yet
     next_list = 0.0
-    while not stop.is_set():
+    while True:
+        # Cleared before stop is read: whoever stops sets stop, then changed, so a stop that comes after this
+        # read still ends the wait below.
+        changed.clear()
+        if stop.is_set():
+            break
         try:
             policy = load_policy(policy_file)
-            changed.clear()
             if done.is_set() or time.monotonic() >= next_list:  # a new list, watched from its resourceVersions
                 done.set()
                 generation = list_into(api, mirror)

@@ -226,6 +226,36 @@ def rounds(api: FakeApi, until: Callable[[], bool], what: str) -> None:
     assert not thread.is_alive(), "run_rounds did not stop"
 
 
+class StopDuringCheck(threading.Event):
+    """A stop that SIGTERM sets at the worst moment: just after the loop read it as unset."""
+
+    def __init__(self, changed: threading.Event) -> None:
+        super().__init__()
+        self.changed, self.reads = changed, 0
+
+    def is_set(self) -> bool:
+        seen = super().is_set()
+        self.reads += 1
+        if self.reads == 1:
+            self.set()
+            self.changed.set()
+        return seen
+
+
+def test_a_stop_right_after_the_loop_read_it_still_ends_the_wait(api):
+    changed = threading.Event()
+    stop = StopDuringCheck(changed)
+    thread = threading.Thread(
+        target=reports.run_rounds,
+        args=(api, None, 3600.0, stop),
+        kwargs={"quiet_s": 0.0, "changed": changed},
+        daemon=True,  # a lost stop would otherwise hold pytest for the hour
+    )
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the stop was lost: run_rounds waits out its hour"
+
+
 def lists_of_namespaces(api: FakeApi) -> int:
     return sum(1 for m, p, _ in api.calls if (m, p) == ("GET", NAMESPACES))
 
