@@ -201,6 +201,7 @@ class LoadResult:
             ("API requests per claim (scrubgate's share)", self._api_requests()),
             ("kube-apiserver: scrubgate webhook calls per claim, mean wait", self._webhook_calls()),
             ("CPU per claim: control plane / scrubgate's webhook and agents", self._cpu_per_claim()),
+            (f"control plane CPU per claim: {' / '.join(PLANE_PROCESSES)}", self._plane_cpu_per_claim()),
             ("invariant violations (observer)", str(len(self.violations))),
             ("canaries found by a later tenant", str(sum(bool(c.canary_found) for c in self.claims))),
             ("claims not ended clean", str(sum(bool(c.problems()) for c in self.claims))),
@@ -247,11 +248,15 @@ class LoadResult:
         return f"{calls / max(len(self.claims), 1):.1f}, {wait}"
 
     def cpu_per_claim(self, group: str) -> float:
-        """CPU seconds per claim of a process group over the run: CONTROL_PLANE or SCRUBGATE."""
+        """CPU seconds per claim of a process group over the run (CONTROL_PLANE or SCRUBGATE), or of one of the
+        control plane's processes (PLANE_PROCESSES)."""
         return self.cpu_s[group] / max(len(self.claims), 1)
 
     def _cpu_per_claim(self) -> str:
         return " / ".join(f"{1000 * self.cpu_per_claim(group):.0f} ms" for group in (CONTROL_PLANE, SCRUBGATE))
+
+    def _plane_cpu_per_claim(self) -> str:
+        return " / ".join(f"{1000 * self.cpu_per_claim(name):.0f}" for name in PLANE_PROCESSES) + " ms"
 
     def table(self) -> str:
         return markdown_table([self])
@@ -326,24 +331,29 @@ APISERVER_COUNTERS: dict[str, Keys] = {
 
 CONTROL_PLANE = "control plane"  # etcd, kube-apiserver, kube-controller-manager, kube-scheduler
 SCRUBGATE = "scrubgate"  # the webhook and the agents (not running in a run without scrubgate)
+PLANE_PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
 
 def cpu_seconds(cluster: Cluster) -> Counter[str]:
     """CPU seconds (user and system) each process group has used so far, from /proc/<pid>/stat."""
     plane = cluster.control_plane
+    plane_processes = [plane.etcd, plane.apiserver, plane.controller_manager, plane.scheduler]
     groups = {
-        CONTROL_PLANE: [plane.etcd, plane.apiserver, plane.controller_manager, plane.scheduler],
-        SCRUBGATE: [cluster.webhook, *(node.agent for node in cluster.nodes)],
+        CONTROL_PLANE: list(zip(PLANE_PROCESSES, plane_processes, strict=True)),
+        SCRUBGATE: [("", process) for process in [cluster.webhook, *(node.agent for node in cluster.nodes)]],
     }
     found: Counter[str] = Counter()
     for group, processes in groups.items():
-        for process in processes:
+        for name, process in processes:
             if process.pid is None or not process.running:
                 continue
             with contextlib.suppress(OSError, IndexError, ValueError):
                 # after the parenthesised command name: utime and stime are fields 14 and 15 of the line
                 fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                found[group] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                found[group] += seconds
+                if name:
+                    found[name] += seconds  # where the control plane's share goes
     return found
 
 

@@ -7,7 +7,9 @@ from collections import Counter
 
 from devcluster.load import (
     CLAIM_RETRIES,
+    CONTROL_PLANE,
     CONTROLLER_COUNTERS,
+    PLANE_PROCESSES,
     ClaimOutcome,
     LoadResult,
     LoadSpec,
@@ -43,3 +45,21 @@ def test_unread_metrics_say_so() -> None:
     result = LoadResult(LoadSpec(claims=1), 1, 0, 1.0, claims=[], reallocations=0, violations=[], leftover_fences=[])
     assert result.failed_syncs_per_claim is None
     assert dict(result.rows())["resourceclaim controller: failed syncs per claim"] == "n/a"
+
+
+def test_the_control_planes_cpu_is_split_by_process() -> None:
+    claims = [ClaimOutcome("team-a", f"pod-{i}", "mig") for i in range(10)]
+    result = LoadResult(LoadSpec(claims=10), 1, 0, 1.0, claims, reallocations=0, violations=[], leftover_fences=[])
+    result.cpu_s = Counter(
+        {
+            CONTROL_PLANE: 0.8,
+            "etcd": 0.1,
+            "kube-apiserver": 0.5,
+            "kube-controller-manager": 0.08,
+            "kube-scheduler": 0.12,
+        }
+    )
+    rows = dict(result.rows())
+    assert rows["CPU per claim: control plane / scrubgate's webhook and agents"] == "80 ms / 0 ms"
+    split = f"control plane CPU per claim: {' / '.join(PLANE_PROCESSES)}"
+    assert rows[split] == "10 / 50 / 8 / 12 ms"
