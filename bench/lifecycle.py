@@ -131,7 +131,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sg-lifecycle-bench-", dir=args.workdir) as base:
         for i, (parallelism, scrubgate, header) in enumerate(plan):
             spec = LoadSpec(
-                claims=args.claims, parallelism=parallelism, run_seconds=args.run_seconds, timeout_s=args.timeout
+                claims=args.claims,
+                parallelism=parallelism,
+                run_seconds=args.run_seconds,
+                timeout_s=args.timeout,
+                refused_claim=True,
             )
             with Cluster(
                 Path(base) / f"run-{i + 1}", gpus=args.gpus, mig_per_gpu=args.mig, client_qps=args.kube_api_qps or None

@@ -42,6 +42,7 @@ from .harness import Cluster
 from .kubelet import CANARY_FOUND
 from .observer import Observed
 from .processes import HarnessError, wait_for
+from .refused_claim import RefusedClaim
 
 RUN_LABEL = "devcluster.scrubgate.dev/load-run"
 CANARY_PREFIX = "SCRUBGATE-LOAD-CANARY-"
@@ -61,6 +62,7 @@ class LoadSpec:
     run_seconds: float = 4.0  # how long a pod runs once started, on average
     run_spread: float = 0.5  # pods run between (1 - spread/2) and (1 + spread/2) x run_seconds, spread evenly
     timeout_s: float = 300.0  # a bounded wait for the whole run; what is not done by then is reported
+    refused_claim: bool = False  # after the burst, how long a claim whose creation was refused once waits
 
     def wants(self, index: int) -> str:
         return "gpu" if self.gpu_every and index % self.gpu_every == self.gpu_every - 1 else "mig"
@@ -135,6 +137,9 @@ class LoadResult:
     scheduling: Counter[str] | None = None
     api_requests: Counter[str] | None = None
     controller: Counter[str] | None = None  # kube-controller-manager's (see `controller_counts`)
+    # the resourceclaim controller's retry delay for a claim refused once after the burst (refused_claim.py):
+    # seconds, or why it was not measured; None when the run did not ask for it
+    refused_claim: float | str | None = None
     notes: list[str] = field(default_factory=list)  # what kept the run from completing in time
 
     @property
@@ -198,6 +203,7 @@ class LoadResult:
             ("devices reused by a later claim", str(self.reallocations)),
             *self._scheduling_rows(),
             ("resourceclaim controller: failed syncs per claim", self._failed_syncs()),
+            ("resourceclaim controller: a claim refused once after the burst, created after", self._refused_claim()),
             ("API requests per claim (scrubgate's share)", self._api_requests()),
             ("kube-apiserver: scrubgate webhook calls per claim, mean wait", self._webhook_calls()),
             ("CPU per claim: control plane / scrubgate's webhook and agents", self._cpu_per_claim()),
@@ -223,6 +229,13 @@ class LoadResult:
         if self.controller is None:
             return "n/a"
         return f"{self.failed_syncs_per_claim:.2f} ({self.controller[CLAIM_RETRIES]:.0f} in all)"
+
+    def _refused_claim(self) -> str:
+        if self.refused_claim is None:
+            return "not measured"
+        if isinstance(self.refused_claim, str):
+            return f"n/a ({self.refused_claim})"
+        return f"{1000 * self.refused_claim:.0f} ms"
 
     def _scheduling_rows(self) -> list[tuple[str, str]]:
         failed, moved = "n/a", "n/a"
@@ -474,6 +487,11 @@ class LoadRun:
         self._controller_before: Counter[str] | None = None
         self._cpu_before: Counter[str] = Counter()
         self.notes: list[str] = []
+        self.refused = (
+            RefusedClaim(cluster, f"load-{self.run_id}-refused", tenants[0], spec.timeout_s)
+            if spec.refused_claim
+            else None
+        )
 
     def run(self) -> LoadResult:
         deadline = time.monotonic() + self.spec.timeout_s
@@ -485,13 +503,20 @@ class LoadRun:
         started = time.monotonic()
         if self._submit_all(deadline):
             self.progress(f"all {self.spec.claims} pods finished after {time.monotonic() - started:.1f}s")
+            if self.refused is not None:
+                self.refused.start()  # while the burst's claims are released
             if self._wait_clean(deadline):
                 self._wait_observed(min(deadline, time.monotonic() + OBSERVER_GRACE_S))
-        return self._result(started)
+        ended = time.monotonic()
+        if self.refused is not None:
+            self.refused.wait()
+        return self._result(started, ended)
 
     def _set_up(self) -> None:
         self.cluster.apply(agent_flow_schema(self.cluster.namespace))
         wait_for(lambda: _flow_schema_in_use(self.cluster), 30, f"kube-apiserver to use FlowSchema {FLOW_SCHEMA}")
+        if self.refused is not None:
+            self.refused.prepare()
         for namespace, user in self.namespaces:
             self.cluster.create_namespace(namespace)
             for wants, device_class in TEMPLATES.items():
@@ -597,7 +622,7 @@ class LoadRun:
 
     # ------------------------------------------------------------------ what happened
 
-    def _result(self, started: float) -> LoadResult:
+    def _result(self, started: float, ended: float) -> LoadResult:
         cluster = self.cluster
         ours = {namespace for namespace, _ in self.namespaces}
         history: dict[str, list[Observed]] = {}
@@ -635,7 +660,7 @@ class LoadRun:
             if (r["metadata"].get("labels") or {}).get(CLAIM_UID_LABEL) in history
         ]
         ends = [o.finalizer_removed_at for o in self.outcomes.values() if o.finalizer_removed_at is not None]
-        wall = (time.monotonic() if self.notes or not ends else max(ends)) - started
+        wall = (ended if self.notes or not ends else max(ends)) - started
         devices = cluster.gpus()
         gpus = sum(d.parent_uuid is None for d in devices)
         return LoadResult(
@@ -653,6 +678,7 @@ class LoadRun:
             controller=counted_since(self._controller_before, controller_counts(cluster)),
             cpu_s=cpu_seconds(cluster) - self._cpu_before,
             notes=self.notes,
+            refused_claim=None if self.refused is None else (self.refused.problem or self.refused.waited_s),
         )
 
 

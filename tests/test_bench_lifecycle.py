@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from devcluster import refused_claim
 from devcluster.load import (
     CLAIM_RETRIES,
     CONTROL_PLANE,
@@ -63,3 +64,61 @@ def test_the_control_planes_cpu_is_split_by_process() -> None:
     assert rows["CPU per claim: control plane / scrubgate's webhook and agents"] == "80 ms / 0 ms"
     split = f"control plane CPU per claim: {' / '.join(PLANE_PROCESSES)}"
     assert rows[split] == "10 / 50 / 8 / 12 ms"
+
+
+def test_the_refused_claim_row_says_what_was_measured() -> None:
+    def row(value: float | str | None) -> str:
+        result = LoadResult(LoadSpec(claims=1), 1, 0, 1.0, [], reallocations=0, violations=[], leftover_fences=[])
+        result.refused_claim = value
+        return dict(result.rows())["resourceclaim controller: a claim refused once after the burst, created after"]
+
+    assert row(0.0423) == "42 ms"
+    assert row("HarnessError: no Event") == "n/a (HarnessError: no Event)"
+    assert row(None) == "not measured"
+
+
+class QuotaCluster:
+    """kube-apiserver as the probe meets it: the controller's refusal shows as an Event a few reads after the
+    pod, and the claim exists only once the quota is gone (a few reads later: the controller's retry)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.quota = True
+        self.reads_after_lift = 0
+
+    def resource_path(self, resource: str, namespace: str) -> str:
+        return f"/apis/resource.k8s.io/v1/namespaces/{namespace}/{resource}"
+
+    def request(self, method: str, path: str, body: object = None, user: str = "admin") -> dict:
+        self.calls.append((method, path))
+        if method == "DELETE" and path.endswith(f"/resourcequotas/{refused_claim.QUOTA}"):
+            self.quota = False
+        if path.endswith("/events"):
+            refusals = sum(1 for m, p in self.calls if p.endswith("/pods") and m == "POST") and len(self.calls) > 4
+            return {"items": [{"reason": refused_claim.REFUSED}] if refusals else []}
+        if path.endswith("/resourceclaims"):
+            if self.quota:
+                return {"items": []}
+            self.reads_after_lift += 1
+            return {"items": [{"metadata": {"name": "probe-gpu-x"}}] if self.reads_after_lift > 2 else []}
+        return {}
+
+
+def test_the_probe_lifts_the_quota_only_after_the_refusal_and_times_the_retry() -> None:
+    cluster = QuotaCluster()
+    probe = refused_claim.RefusedClaim(cluster, "load-x-refused", "tenant-a", timeout_s=5)
+    probe.start()
+    probe.wait()
+    assert probe.problem is None and probe.waited_s is not None and probe.waited_s > 0
+    lifted = cluster.calls.index(("DELETE", f"/api/v1/namespaces/load-x-refused/resourcequotas/{refused_claim.QUOTA}"))
+    assert any(p.endswith("/events") for _, p in cluster.calls[:lifted]), "lifted before the refusal was seen"
+    assert cluster.calls[-1] == ("DELETE", "/api/v1/namespaces/load-x-refused/pods/probe")
+
+
+def test_a_probe_that_sees_no_refusal_says_so() -> None:
+    cluster = QuotaCluster()
+    cluster.request = lambda method, path, body=None, user="admin": {"items": []}
+    probe = refused_claim.RefusedClaim(cluster, "load-x-refused", "tenant-a", timeout_s=0.2)
+    probe.start()
+    probe.wait()
+    assert probe.waited_s is None and probe.problem is not None and "FailedResourceClaimCreation" in probe.problem
