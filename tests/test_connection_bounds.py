@@ -66,6 +66,19 @@ def test_the_webhook_closes_a_connection_whose_request_does_not_arrive(webhook, 
     assert webhook.http.get("/readyz").status_code == 200, "and it still serves"
 
 
+def test_a_served_connection_of_the_api_server_stays_open_past_the_read_deadline(webhook):
+    """kube-apiserver keeps an unused webhook connection up to 90 s and may send a review on it at any moment:
+    closed here first, that review gets EOF (a POST, which it does not retry) and its admission fails ("failed
+    calling webhook ... EOF", seen once in the 200-claim load test). So once it has been answered, the API server's
+    connection is kept alive longer than the API server keeps it, not cut at the read deadline."""
+    assert defaults.KEEP_ALIVE_IDLE_S > 90
+    request = b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with tls_connection(webhook) as conn:
+        assert answered(conn, request)
+        time.sleep(2.0)  # four read deadlines of this webhook
+        assert answered(conn, request), "closed at the read deadline: the API server's next review would get EOF"
+
+
 @pytest.fixture
 def guarded(tmp_path: Path):
     """With --client-ca, as the shipped Deployment runs; handshakes must be done within half a second."""

@@ -25,6 +25,11 @@ REPEAT_KEYS: Final = 8192
 # connection that sends nothing, would otherwise hold its memory and its slot forever. The API server sends a
 # whole review at once.
 REQUEST_READ_TIMEOUT_S: Final = 10.0
+# How long the API server's connection may stay open and unused after an answer. Longer than the API server keeps an
+# unused webhook connection itself (client-go's transport: Go's http.DefaultTransport, IdleConnTimeout 90 s), so
+# that it is the API server that closes one: closed here first, a review it sends on it at that moment gets EOF
+# (a POST, which it does not retry) and the admission fails with "failed calling webhook".
+KEEP_ALIVE_IDLE_S: Final = 120.0
 # A TLS handshake must be done this long after the connection was accepted (a handshake takes milliseconds).
 TLS_HANDSHAKE_TIMEOUT_S: Final = 5.0
 # Connections of the API server (a client certificate of --client-ca with an allowed name; every caller without

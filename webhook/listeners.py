@@ -41,8 +41,11 @@ class Member(Protocol):
 class Budget:
     """At most `limit` connections; `shed_oldest`: a new one closes the oldest, else the new one is refused."""
 
-    def __init__(self, name: str, limit: int, metrics: Metrics, *, shed_oldest: bool) -> None:
+    def __init__(
+        self, name: str, limit: int, metrics: Metrics, *, shed_oldest: bool, idle_timeout_s: float | None = None
+    ) -> None:
         self.name, self.limit, self.shed_oldest, self.metrics = name, limit, shed_oldest, metrics
+        self.idle_timeout_s = idle_timeout_s  # a served connection's keep-alive; None: the read deadline
         self.members: dict[Member, None] = {}  # insertion order: the oldest first
         metrics.connections.labels(name).set_function(lambda: len(self.members))
 
@@ -94,7 +97,9 @@ class TLSListener:
     ) -> None:
         self.app, self.tls, self.limits, self.handshake_timeout_s = app, tls, limits, handshake_timeout_s
         self.pending = Budget("handshake", defaults.MAX_PENDING_HANDSHAKES, metrics, shed_oldest=True)
-        self.apiserver = Budget("apiserver", defaults.MAX_CONNECTIONS, metrics, shed_oldest=False)
+        self.apiserver = Budget(
+            "apiserver", defaults.MAX_CONNECTIONS, metrics, shed_oldest=False, idle_timeout_s=defaults.KEEP_ALIVE_IDLE_S
+        )
         self.unverified = Budget("unverified", defaults.MAX_UNVERIFIED_CONNECTIONS, metrics, shed_oldest=True)
         self._handshakes: set[asyncio.Task[None]] = set()
 
@@ -191,24 +196,34 @@ class PlainListener:
 
 async def enforce_read_deadline(budgets: tuple[Budget, ...], read_timeout_s: float) -> None:
     """Closes every connection that has not brought a whole request within `read_timeout_s` of its opening or
-    its last answer. One sweep for all, a few times per deadline: nothing to arm or cancel on each request."""
+    its last answer, or, in a budget with a keep-alive of its own, within that of its last answer. One sweep for
+    all, a few times per deadline: nothing to arm or cancel on each request."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(min(1.0, read_timeout_s / 4))
-        cutoff = loop.time() - read_timeout_s
+        now = loop.time()
         for budget in budgets:
-            late = [c for c in budget.members if isinstance(c, HTTPConnection) and _late(c, cutoff)]
+            late = [
+                c for c in budget.members if isinstance(c, HTTPConnection) and _late(c, budget, now, read_timeout_s)
+            ]
             for connection in late:
                 _expire(budget, connection, read_timeout_s)
 
 
-def _late(connection: HTTPConnection, cutoff: float) -> bool:
-    return connection.idle_since is not None and connection.idle_since < cutoff
+def _late(connection: HTTPConnection, budget: Budget, now: float, read_timeout_s: float) -> bool:
+    if connection.idle_since is None:
+        return False
+    kept_alive = budget.idle_timeout_s is not None and not _waiting(connection)
+    return connection.idle_since < now - (budget.idle_timeout_s if kept_alive else read_timeout_s)
+
+
+def _waiting(connection: HTTPConnection) -> bool:
+    """Part of a request read, or none served yet: the read deadline applies."""
+    return bool(connection.partial) or connection.served == 0
 
 
 def _expire(budget: Budget, connection: HTTPConnection, read_timeout_s: float) -> None:
-    waiting = connection.partial or connection.served == 0
-    if not waiting:
+    if not _waiting(connection):
         budget.closed("idle")  # kept alive and unused: the client opens another when it needs one
     else:
         budget.closed("deadline")

@@ -163,7 +163,8 @@ class Metrics:
             "scrubgate_webhook_connections_closed",
             "Connections the webhook closed, by budget and reason: shed (the budget was full: its oldest made room "
             "for a new one), refused (the apiserver budget was full: the new one), handshake (TLS handshake failed "
-            "or timed out), deadline (no whole request in time), idle (kept alive, unused for the read deadline).",
+            "or timed out), deadline (no whole request in time), idle (kept alive, unused for the keep-alive: the API "
+            "server's connections, longer than the API server keeps them; others, the read deadline).",
             ["budget", "reason"],
             registry=r,
         )
