@@ -61,7 +61,7 @@ from scrubgate.certs.generate import (
 from scrubgate.certs.inject import inject_ca_bundle, is_webhook_configuration
 from scrubgate.certs.layout import AUDIT_KEY_FILE, AUDIT_PUBLIC_KEY_FILE
 from scrubgate.policies import names
-from scrubgate.policies.attestation import public_key_pem
+from scrubgate.policies.attestation import public_key_pem, without_scrubgate
 from scrubgate.policies.config import DEFAULT_POLICY_PATH, parse_policy
 from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 
@@ -694,7 +694,7 @@ class Cluster:
         path = self.resource_path("resourceclaims")
         for claim in self.request("GET", path)["items"]:
             reserved = (claim.get("status") or {}).get("reservedFor") or []
-            kept = [r for r in reserved if r.get("apiGroup") != names.RESERVATION_GROUP]
+            kept = without_scrubgate(claim)
             if kept != reserved:
                 meta = claim["metadata"]
                 claim["status"]["reservedFor"] = kept

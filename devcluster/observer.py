@@ -105,7 +105,12 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         reserved = (claim.get("status") or {}).get("reservedFor") or []
         # A pod that a claim was reserved for while it was bound used it; one bound only later, with another
         # claim (kube-scheduler's new one after a failed binding), did not use this one.
-        pods = set() if event.type == "DELETED" else {r.get("uid", "") for r in reserved if r.get("resource") == "pods"}
+        # scrubgate's record of an ended pod carries the pod's UID: still reserved for it.
+        pods = (
+            set()
+            if event.type == "DELETED"
+            else {r.get("uid", "") for r in reserved if r.get("resource") in ("pods", names.ENDED_POD_RESOURCE)}
+        )
         for pod in reserved_pods.pop(uid, set()) - pods:
             reserving[pod].discard(uid)
         for pod in pods:

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .model import as_dict, as_list, as_str
-from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE, RESERVATION_GROUP, RESERVATION_RESOURCE
+from .names import ANNOTATION_DEVICES, ATTESTATION_TYPE, ENDED_POD_RESOURCE, RESERVATION_GROUP, RESERVATION_RESOURCE
 
 PAYLOAD_VERSION = 1
 
@@ -211,6 +211,49 @@ def agent_reservations(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
 def is_agent_reservation(resource: str) -> bool:
     """Whether a `reserved_consumers` resource is a node agent's hold."""
     return resource == f"{RESERVATION_RESOURCE}.{RESERVATION_GROUP}"
+
+
+def is_ended_pod(resource: str) -> bool:
+    """Whether a `reserved_consumers` resource is scrubgate's record of an ended pod (names.ENDED_POD_RESOURCE)."""
+    return resource == f"{ENDED_POD_RESOURCE}.{RESERVATION_GROUP}"
+
+
+def ended_pod_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The `status.reservedFor` record of an ended pod, in place of the pod's own entry."""
+    return {
+        "apiGroup": RESERVATION_GROUP,
+        "resource": ENDED_POD_RESOURCE,
+        "name": pod.get("name"),
+        "uid": pod.get("uid"),
+    }
+
+
+def is_ended_pod_record(entry: Mapping[str, Any]) -> bool:
+    """Whether a `status.reservedFor` entry is scrubgate's record of an ended pod."""
+    return entry.get("apiGroup") == RESERVATION_GROUP and entry.get("resource") == ENDED_POD_RESOURCE
+
+
+def without_scrubgate(claim: Mapping[str, Any]) -> list[Any]:
+    """The claim's `status.reservedFor` as it would stand without scrubgate (an uninstall): the holds out, and each
+    ended pod's record the pod's own entry again, which the resourceclaim controller then drops as ended,
+    deallocating the claim as it would have; on a claim being deleted, which takes no new entry, the records go
+    too (the controller deallocates a claim being deleted that is reserved for nobody)."""
+    deleting = bool(as_dict(claim.get("metadata")).get("deletionTimestamp"))
+    return [
+        {"resource": "pods", "name": entry.get("name"), "uid": entry.get("uid")}
+        if is_ended_pod_record(entry)
+        else entry
+        for entry in map(as_dict, as_list(as_dict(claim.get("status")).get("reservedFor")))
+        if not is_scrubgate_entry(entry) or (is_ended_pod_record(entry) and not deleting)
+    ]
+
+
+def is_scrubgate_entry(entry: Mapping[str, Any]) -> bool:
+    """Whether a `status.reservedFor` entry is scrubgate's: a node agent's hold or an ended pod's record."""
+    return entry.get("apiGroup") == RESERVATION_GROUP and entry.get("resource") in (
+        RESERVATION_RESOURCE,
+        ENDED_POD_RESOURCE,
+    )
 
 
 def allocation_identity(claim: Mapping[str, Any], node: str) -> dict[str, str | None]:

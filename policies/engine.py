@@ -242,7 +242,7 @@ def default(
 ) -> list[Finding]:
     """Mutations (SG004): the sanitize finalizer added to an in-scope ResourceClaim being created, and removed
     on the UPDATE by which kube-scheduler releases a claim of its own that no container used
-    (`release_guard.scheduler_release`); (SG007) a held claim's pods kept in its reservation
+    (`release_guard.scheduler_release`); (SG007) a held claim's ended pods recorded in its reservation
     (`release_guard.kept_consumers_patch`). Never added on UPDATE: the agent's own removal of the finalizer must not be
     undone. No grace period is defaulted here: the API server sets an absent terminationGracePeriodSeconds to
     30 s before any admission webhook sees the object; SG003's patch is for manifests (`scrubgate check --fix`)."""

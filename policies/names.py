@@ -28,6 +28,11 @@ TAINT_SCRUB_FAILED: Final = "scrubgate.dev/scrub-failed"
 # one is never deallocated, nor deleted, by anyone else meanwhile: the used claim never looks unused.
 RESERVATION_GROUP: Final = DOMAIN
 RESERVATION_RESOURCE: Final = "nodeagents"
+# An ended pod of a held claim, as /mutate records it in `status.reservedFor` when the resourceclaim controller drops
+# the pod (`{apiGroup: scrubgate.dev, resource: endedpods, name: <pod>, uid: <pod's UID>}`): it still shows the claim
+# used, the controller keeps it (a consumer it does not know), and, carrying the pod's UID, keeps the controller from
+# reserving the claim for that pod again (resourceclaim.IsReservedForPod compares UIDs only). It goes with the hold.
+ENDED_POD_RESOURCE: Final = "endedpods"
 
 DEALLOCATION_DELETE: Final = "Delete"
 DEALLOCATION_RETAIN: Final = "Retain"

@@ -21,6 +21,8 @@ from .attestation import (
     check_claim_attestation,
     claim_consumers,
     deleted_before_allocation,
+    ended_pod_entry,
+    is_ended_pod,
     recorded_devices,
     reserved_consumers,
     reserved_pods,
@@ -380,28 +382,32 @@ def reservation_guard(
             )
         if problem:
             violations.append((problem, _RESERVED_FOR, ()))
+    violations += _unfounded_records(obj, old, who)
     released = [r for r in before if r not in after]
-    if not released and after:
+    unrecorded = [name for name, uid in ended_pod_records(old) if (name, uid) not in ended_pod_records(obj)]
+    if not released and not unrecorded and after:
         return violations, []
     gone = [name for name, uid in reserved_pods(old) if (name, uid) not in reserved_pods(obj)]
     still_allocated = as_dict(obj.get("status")).get("allocation") == as_dict(old.get("status")).get("allocation")
     unheld = not released and gone and still_allocated and not who.is_scheduler(policy)
-    if not (released or unheld) or not _holds_guarded_devices(old, scope):
+    if not (released or unrecorded or unheld) or not _holds_guarded_devices(old, scope):
         return violations, []
     problem = _attestation_problem(old, old, scope, who if who.is_agent(policy) else None)
     if problem is None:
         return violations, []
     if released:
         act = f"release of node {', '.join(h for h, _ in released)}'s hold"
+    elif unrecorded:
+        act = f"removal of the record(s) of ended pod(s) {', '.join(unrecorded)}"
     else:
         act = f"removal of pod(s) {', '.join(gone)} from the reservation"
     glass = _break_glass(old, who, policy, act, _RESERVED_FOR)
     if glass is not None:
         return [*violations, *glass[0]], glass[1]
-    if released:
+    if released or unrecorded:
         message = (
-            f"user {who.username!r} released the node agent's hold on the claim {problem}: the hold keeps a used "
-            f"GPU claim from looking unused until its scrub is attested; the agent releases it itself"
+            f"user {who.username!r} made a {act} {problem}: the hold and the records of ended pods keep a used "
+            f"GPU claim from looking unused until its scrub is attested; the agent releases them itself"
         )
     else:
         message = (
@@ -413,18 +419,45 @@ def reservation_guard(
     return [*violations, (message, _RESERVED_FOR, ())], []
 
 
+def ended_pod_records(claim: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, UID) of each ended pod scrubgate recorded in the claim's reservation (`kept_consumers_patch`)."""
+    return [(name, uid) for resource, name, uid in reserved_consumers(claim) if is_ended_pod(resource)]
+
+
+def _unfounded_records(obj: dict[str, Any], old: dict[str, Any], who: Requester) -> list[Violation]:
+    """A record of an ended pod stands only in the place of that pod's own entry (name and UID), in the write that
+    drops it: one for a pod the claim was not reserved for would keep the resourceclaim controller from reserving
+    the claim for that pod."""
+    replaced = set(reserved_pods(old)) - set(reserved_pods(obj))
+    return [
+        (
+            f"user {who.username!r} added a record of ended pod {name} ({uid}) to a claim that was not reserved for "
+            f"it in this write: scrubgate records a pod only as it drops out of the reservation; remove the entry",
+            _RESERVED_FOR,
+            (),
+        )
+        for name, uid in ended_pod_records(obj)
+        if (name, uid) not in ended_pod_records(old) and (name, uid) not in replaced
+    ]
+
+
 def kept_consumers_patch(obj: dict[str, Any], old: dict[str, Any], who: Requester, scope: Scope) -> list[Violation]:
     """SG007's other half, for /mutate: while a node agent holds a claim, the pods it was reserved for stay in its
     reservation until the attested release, which this write then makes.
 
     Kubernetes' resourceclaim controller drops an ended pod from a claim (syncClaim), keeping consumers it does not
     know (the hold), and reserves an allocated claim again for any pod bound to a node and not being deleted, ended
-    or not (syncPod): with the allocation held, the two would take turns for as long as the hold stands
-    (pkg/controller/resourceclaim/controller.go, v1.37). So before the attestation its drop is made a no-op (the
-    API server stores nothing, the controller's update succeeds). Once the claim carries an attestation of this
-    allocation, and nothing but holds would be left, its drop becomes the release it would have made without the
-    hold: the holds go with the pods and, where the controller's delete-protection finalizer is on the claim, the
-    allocation too, in the controller's own write (no other write to race with it, no refused attempt).
+    or not, unless an entry of the claim's reservation carries the pod's UID (syncPod, IsReservedForPod): with the
+    allocation held, dropping the pod outright would make the two take turns for as long as the hold stands
+    (pkg/controller/resourceclaim/controller.go, v1.37). So before the attestation the pod's entry is replaced by
+    scrubgate's record of it (names.ENDED_POD_RESOURCE, the pod's name and UID): the controller keeps that record,
+    does not reserve the claim for the pod again, and has nothing left to drop, so it writes the claim no more (no
+    write on a stale copy, no refused attempt in its rate-limited queue). A claim being deleted takes no new entry
+    (the API server's validation of its status) and so no new reservation either: its drop goes through as it is.
+    Once the claim carries an attestation of this allocation, and nothing but holds and records would be left, the
+    controller's drop becomes the release it would have made without the hold: holds, records and pods go and,
+    where the controller's delete-protection finalizer is on the claim, the allocation too, in the controller's own
+    write; where the controller has nothing left to drop, the agent releases in one write of its own.
     kube-scheduler's Unreserve (a pod whose binding failed: it never ran) and an admin's drop are left be."""
     policy = scope.policy
     if who.is_scheduler(policy) or who.is_admin(policy):
@@ -443,7 +476,8 @@ def kept_consumers_patch(obj: dict[str, Any], old: dict[str, Any], who: Requeste
         return []
     op = "replace" if "reservedFor" in new_status else "add"
     holders = ", ".join(h for h, _ in agent_reservations(old))
-    if not claim_consumers(obj) and _attestation_problem(old, old, scope) is None:
+    in_use = [c for c in claim_consumers(obj) if not is_ended_pod(c[0])]
+    if not in_use and _attestation_problem(old, old, scope) is None:
         ops: tuple[dict[str, Any], ...] = ({"op": "replace", "path": _RESERVED_FOR, "value": []},)
         if names.DELETE_PROTECTION_FINALIZER in as_list(metadata(old).get("finalizers")):
             ops += ({"op": "remove", "path": "/status/allocation"},)
@@ -452,11 +486,14 @@ def kept_consumers_patch(obj: dict[str, Any], old: dict[str, Any], who: Requeste
             f"{', '.join(as_str(e.get('name')) for e in dropped)}, and the allocation with them"
         )
         return [(message, _RESERVED_FOR, ops)]
-    # In the stored order, so that the controller's write stores nothing at all (no new resourceVersion, no event).
+    if metadata(old).get("deletionTimestamp"):
+        return []
+    # In the stored order, each dropped pod's entry replaced by its record.
     old_list = as_list(old_status.get("reservedFor"))
-    restored = [e for e in old_list if e in kept or e in dropped] + [e for e in kept if e not in old_list]
+    recorded = [ended_pod_entry(as_dict(e)) if e in dropped else e for e in old_list if e in kept or e in dropped]
+    recorded += [e for e in kept if e not in old_list and e not in recorded]  # a reinvocation adds none twice
     message = (
-        f"pod(s) {', '.join(as_str(e.get('name')) for e in dropped)} kept in the reservation of a claim node "
-        f"{holders}'s agent holds: they leave it with the attested release"
+        f"pod(s) {', '.join(as_str(e.get('name')) for e in dropped)} recorded as ended in the reservation of a claim "
+        f"node {holders}'s agent holds: the records leave it with the attested release"
     )
-    return [(message, _RESERVED_FOR, ({"op": op, "path": _RESERVED_FOR, "value": restored},))]
+    return [(message, _RESERVED_FOR, ({"op": op, "path": _RESERVED_FOR, "value": recorded},))]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import names
-from .attestation import is_agent_reservation, reserved_consumers
+from .attestation import is_agent_reservation, is_ended_pod, reserved_consumers
 from .config import PolicyConfig
 from .findings import Violation, pointer
 from .model import (
@@ -365,5 +365,5 @@ def group_reservation(claim: dict[str, Any]) -> list[Violation]:
             (),
         )
         for resource, name, _ in reserved_consumers(claim)
-        if resource != "pods" and not is_agent_reservation(resource)
+        if resource != "pods" and not is_agent_reservation(resource) and not is_ended_pod(resource)
     ]

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from scrubgate.policies import names
+from scrubgate.policies.attestation import is_ended_pod_record
 
 from .gpu.base import MigPlacement
 from .partitions import Partition, partition_of, placement_of
@@ -192,8 +193,8 @@ def release_reason(claim: dict[str, Any] | None, uid: str, ended: Container[str]
     consumers = [c for c in map(_dict, _list(status.get("reservedFor"))) if not _is_hold(c)]
     if not consumers:
         return "no longer reserved for any pod"
-    if all(c.get("uid") in ended for c in consumers):
-        if all(c.get("resource") == "pods" and not c.get("apiGroup") for c in consumers):
+    if all(c.get("uid") in ended or is_ended_pod_record(c) for c in consumers):
+        if all((c.get("resource") == "pods" and not c.get("apiGroup")) or is_ended_pod_record(c) for c in consumers):
             return f"pod {', '.join(str(c.get('name')) for c in consumers)} terminal or deleted"
         return f"{', '.join(_consumer(c) for c in consumers)} ended or deleted"
     return None
@@ -263,21 +264,29 @@ def hold_ops(claim: dict[str, Any], node: str, uid: str) -> list[dict[str, Any]]
 
 
 def hold_release_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
-    """JSON patch of the claim's status removing `node`'s hold (tested in place, on the claim as read); None when
-    it has none."""
-    for index, entry in enumerate(_list(_dict(claim.get("status")).get("reservedFor"))):
-        if _is_hold(_dict(entry), node):
-            path = f"/status/reservedFor/{index}"
-            # The resourceVersion too: kube-apiserver applies a patch to the object in its watch cache first, and
-            # on a stale one the webhook would see no attestation yet, refuse (and audit) before the API server
-            # retries with the stored object. A failing test stops it before admission.
-            return [
-                {"op": "test", "path": "/metadata/uid", "value": _meta(claim).get("uid")},
-                {"op": "test", "path": "/metadata/resourceVersion", "value": _meta(claim).get("resourceVersion")},
-                {"op": "test", "path": path, "value": entry},
-                {"op": "remove", "path": path},
-            ]
-    return None
+    """JSON patch of the claim's status removing `node`'s hold and the records of ended pods (which the attestation
+    covers), on the claim as read; and the allocation with them where nothing else is left and Kubernetes'
+    delete-protection finalizer is on the claim: the deallocation the resourceclaim controller makes when the last
+    consumer goes (syncClaim, v1.37), which it does not make here, as it never sees that transition (holds and
+    records are not its to drop). None when the claim has no hold of `node`'s."""
+    status = _dict(claim.get("status"))
+    reserved = _list(status.get("reservedFor"))
+    if node_hold(claim, node) is None:
+        return None
+    left = [e for e in reserved if not _is_hold(_dict(e), node) and not is_ended_pod_record(_dict(e))]
+    # The resourceVersion too: kube-apiserver applies a patch to the object in its watch cache first, and on a stale
+    # one the webhook would see no attestation yet, refuse (and audit) before the API server retries with the stored
+    # object. A failing test stops it before admission.
+    ops = [
+        {"op": "test", "path": "/metadata/uid", "value": _meta(claim).get("uid")},
+        {"op": "test", "path": "/metadata/resourceVersion", "value": _meta(claim).get("resourceVersion")},
+        {"op": "test", "path": "/status/reservedFor", "value": reserved},
+        {"op": "replace", "path": "/status/reservedFor", "value": left},
+    ]
+    protected = names.DELETE_PROTECTION_FINALIZER in _list(_meta(claim).get("finalizers"))
+    if not left and protected and status.get("allocation"):
+        ops.append({"op": "remove", "path": "/status/allocation"})
+    return ops
 
 
 def allocation_stamp(claim: dict[str, Any]) -> str | None:
@@ -307,16 +316,15 @@ def finalizer_removal_ops(claim: dict[str, Any], attestation: str | None) -> lis
 
 
 def _as_read(claim: dict[str, Any]) -> list[dict[str, Any]]:
-    """JSON patch tests that what a release rests on is as read: the allocation and the consumers it is reserved
-    for. Not the resourceVersion: the garbage collector's delete of a generated claim, or the resourceclaim
-    controller's writes, change it while the teardown runs, and each such failure cost a read and a second patch.
-    A claim holding no allocation (deleted before it held a device) is tested on its resourceVersion."""
+    """JSON patch tests that what a release rests on is as read: the allocation. Not the consumers it is reserved
+    for: the resourceclaim controller's drop of the ended pod (its record in the pod's place) lands while the scrub
+    runs, nearly every time, and SG007 refuses the removal where a consumer since is one the attestation does not
+    cover. Nor the resourceVersion: the garbage collector's delete of a generated claim, or the controller's writes,
+    change it too; each such failure cost a read and a second patch. A claim holding no allocation (deleted before
+    it held a device) is tested on its resourceVersion."""
     status = _dict(claim.get("status"))
-    if status.get("allocation") and isinstance(status.get("reservedFor"), list):
-        return [
-            {"op": "test", "path": "/status/allocation", "value": status["allocation"]},
-            {"op": "test", "path": "/status/reservedFor", "value": status["reservedFor"]},
-        ]
+    if status.get("allocation"):
+        return [{"op": "test", "path": "/status/allocation", "value": status["allocation"]}]
     return [{"op": "test", "path": "/metadata/resourceVersion", "value": _meta(claim).get("resourceVersion")}]
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import claim_consumers
+from scrubgate.policies.attestation import claim_consumers, is_ended_pod
 
 from .checkpoint import DIRTY_STATES, CheckpointStore, FenceReason, State, Teardown
 from .claims import holds_devices, pod_finished, release_reason
@@ -164,7 +164,7 @@ class ReleaseChecks:
         have ended (a pod terminal or deleted, another consumer deleted)."""
         namespace = (claim.get("metadata") or {}).get("namespace") or ""
         for resource, name, uid in claim_consumers(claim):
-            if not uid or uid in self.view.ended or uid in self.view.live_pods:
+            if not uid or uid in self.view.ended or uid in self.view.live_pods or is_ended_pod(resource):
                 continue
             if resource == "pods":
                 found = self.cluster.get_pod(namespace, name)

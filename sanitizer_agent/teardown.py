@@ -45,6 +45,7 @@ from scrubgate.policies.attestation import (
     check_claim_attestation,
     claim_consumers,
     claimed_devices,
+    is_ended_pod,
     load_private_key,
     sign,
 )
@@ -599,9 +600,9 @@ class TeardownEngine:
 
     def release_hold(self, td: Teardown) -> None:
         """Takes this node's hold off the claim, after its attestation is on it (SG007 lets nothing else release
-        it); the resourceclaim controller then deallocates the claim, and deletes it where it was a pod's. A claim
-        a later pod uses (a shared claim) keeps it: that use is not attested, and the agent's next teardown of the
-        claim adopts the hold."""
+        it), and where nothing else is left in its reservation, the allocation with it (`hold_release_ops`); the
+        resourceclaim controller then deletes the claim where it was a pod's. A claim a later pod uses (a shared
+        claim) keeps it: that use is not attested, and the agent's next teardown of the claim adopts the hold."""
         if not td.claim.name:
             return
         # The copy the attestation's write returned first (the patch's tests catch a stale one), then a fresh read.
@@ -909,16 +910,17 @@ class TeardownEngine:
 
     def _controller_releases(self, td: Teardown) -> bool:
         """Whether the resourceclaim controller makes the release itself: the claim, as the attestation's write
-        left it, is reserved for ended pods beside this node's hold, and for nothing else. That write sends the
-        controller the claim; it drops the pods, and the webhook's /mutate makes its drop the release (holds and
-        allocation out: policies/release_guard.kept_consumers_patch). Then the agent writes nothing more, so no
-        write of its races the controller's (a conflict, a retry in its rate-limited queue). Anything else (a
-        PodGroup, a claim read afresh, no hold) the agent releases itself."""
+        left it, is reserved for ended pods the controller has yet to drop beside this node's hold (and records of
+        ended pods), and for nothing else. That write sends the controller the claim; it drops the pods, and the
+        webhook's /mutate makes its drop the release (holds, records and allocation out:
+        policies/release_guard.kept_consumers_patch). Then the agent writes nothing more, so no write of its races
+        the controller's (a conflict, a retry in its rate-limited queue). Anything else (only records left, which
+        the controller does not drop; a PodGroup, a claim read afresh, no hold) the agent releases itself."""
         claim = self._claims.get(td.claim.uid)
         if claim is None or node_hold(claim, self.node) is None:
             return False
-        consumers = claim_consumers(claim)
-        return bool(consumers) and all(resource == "pods" for resource, _, _ in consumers)
+        resources = [resource for resource, _, _ in claim_consumers(claim)]
+        return "pods" in resources and all(resource == "pods" or is_ended_pod(resource) for resource in resources)
 
     def _on_failed(self, td: Teardown) -> Outcome:
         if not td.failure_reported:

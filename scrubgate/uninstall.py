@@ -29,7 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from scrubgate.policies import names
-from scrubgate.policies.attestation import agent_reservations, claim_consumers
+from scrubgate.policies.attestation import (
+    agent_reservations,
+    claim_consumers,
+    is_ended_pod,
+    is_scrubgate_entry,
+    without_scrubgate,
+)
 
 from .cluster import DRA_GROUP, Api, ApiError, KubeApi, dra_version, list_all
 
@@ -66,7 +72,10 @@ def in_use(claim: dict[str, Any], live_pods: set[str]) -> bool:
     which this command does not look up). A node agent's hold is no consumer: it stays until the attestation,
     so a claim held for ended pods only is a teardown pending. A claim being deleted is still in use while its
     pods run (deletion only stops new reservations), as the agent reads it."""
-    return any(resource != "pods" or uid in live_pods for resource, _, uid in claim_consumers(claim))
+    return any(
+        (resource != "pods" and not is_ended_pod(resource)) or uid in live_pods
+        for resource, _, uid in claim_consumers(claim)
+    )
 
 
 def teardown_pending(claim: dict[str, Any], live_pods: set[str]) -> bool:
@@ -163,15 +172,11 @@ def _carries_scrubgate(claim: dict[str, Any]) -> bool:
     return names.FINALIZER in (_meta(claim).get("finalizers") or []) or bool(agent_reservations(claim))
 
 
-def _is_hold(entry: dict[str, Any]) -> bool:
-    return entry.get("apiGroup") == names.RESERVATION_GROUP and entry.get("resource") == names.RESERVATION_RESOURCE
-
-
 def _release(api: Api, path: str, api_version: str, claim: dict[str, Any]) -> None:
     status = claim.get("status") or {}
     reserved = status.get("reservedFor") or []
-    if any(_is_hold(entry) for entry in reserved):
-        status["reservedFor"] = [entry for entry in reserved if not _is_hold(entry)]
+    if any(is_scrubgate_entry(entry) for entry in reserved):
+        status["reservedFor"] = without_scrubgate(claim)
         body = {"apiVersion": api_version, "kind": "ResourceClaim", **claim, "status": status}
         claim = api.request("PUT", f"{path}/status", body=body)
     finalizers = _meta(claim).get("finalizers") or []

@@ -27,6 +27,7 @@ import jsonpatch
 import jsonpointer
 import kube_json_patch
 from scrubgate.policies import names
+from scrubgate.policies.attestation import ended_pod_entry
 from scrubgate.sanitizer_agent.kube import TAINT_RULE_VERSIONS, Conflict, NotFound, same_fence
 
 Hook = Callable[[str, tuple[Any, ...]], None]
@@ -425,9 +426,9 @@ class InMemoryCluster:
         """What kube-controller-manager's resourceclaim controller does once a claim's pods have ended
         (pkg/controller/resourceclaim/controller.go, syncClaim), through the webhook: drop them from its reservation
         and clear the allocation once nobody is left, where the `guard` lets it (else it is retried at the claim's
-        next change). While a node agent holds the claim, /mutate (kept_consumers_patch) keeps the ended pods (the
-        write stores nothing) until the claim carries the attestation, and then makes the drop the release: holds,
-        pods and allocation go in the controller's write. `bypass`: the guard is not asked (a webhook bypassed or
+        next change). While a node agent holds the claim, /mutate (kept_consumers_patch) puts a record of each ended
+        pod in its place (on a claim being deleted, the drop goes through) until the claim carries the attestation,
+        and then makes the drop the release: holds, records, pods and allocation go in the controller's write. `bypass`: the guard is not asked (a webhook bypassed or
         uninstalled, whoever clears the allocation then clears every consumer with it). Returns whether the
         allocation went."""
         with self._lock:
@@ -439,8 +440,17 @@ class InMemoryCluster:
             holds_only = all(c.get("apiGroup") == names.RESERVATION_GROUP for c in kept)
             released = holds_only and len(kept) < len(reserved) and self.guard is not None
             if kept and not bypass and not (released and self.guard(copy.deepcopy(claim))):
-                # Held, not yet attested (or reserved for something the controller does not drop): the ended pods
-                # stay, the controller's write stores nothing; synced again at the claim's next change.
+                # Held, not yet attested (or reserved for something the controller does not drop): /mutate puts
+                # a record of each ended pod in its place (on a claim being deleted, which takes no new entry, the
+                # drop goes through as it is); the controller has nothing left to drop until the agent's release.
+                held = any(c.get("resource") == names.RESERVATION_RESOURCE for c in kept)
+                if held and len(kept) < len(reserved):
+                    deleting = claim["metadata"].get("deletionTimestamp")
+                    status["reservedFor"] = [
+                        c if c in kept else ended_pod_entry(c) for c in reserved if c in kept or not deleting
+                    ]
+                    self._bump(claim)
+                    self._claim_changed(namespace, name)
                 self._deallocating.add(key)
                 return False
             allocated = status.get("allocation")

@@ -128,7 +128,7 @@ def test_annotation_and_label_ops_never_drop_a_concurrent_writers_key():
         kube_json_patch.apply_patch({"metadata": {"uid": "u", "labels": {"team": "a"}}}, label)
 
 
-def test_the_finalizers_removal_rests_on_the_allocation_and_its_consumers_not_on_other_writes():
+def test_the_finalizers_removal_rests_on_the_allocation_not_on_other_writes():
     reserved = [{"resource": "pods", "name": "p", "uid": "pod-1"}]
     claim = {
         "metadata": {"uid": "u", "resourceVersion": "5", "finalizers": [names.FINALIZER]},
@@ -138,19 +138,47 @@ def test_the_finalizers_removal_rests_on_the_allocation_and_its_consumers_not_on
     # The garbage collector deleted the generated claim since the read: the removal still applies.
     deleted = {**claim, "metadata": {**claim["metadata"], "resourceVersion": "9", "deletionTimestamp": "t"}}
     assert kube_json_patch.apply_patch(deleted, ops)["metadata"]["finalizers"] == []
-    # Another consumer since the read, or another allocation: it fails.
-    for changed in (
-        {**claim, "status": {**claim["status"], "reservedFor": [*reserved, {"resource": "pods", "uid": "pod-2"}]}},
-        {**claim, "status": {**claim["status"], "allocation": {"devices": {"results": [{"device": "gpu-1"}]}}}},
-    ):
-        with pytest.raises(jsonpatch.JsonPatchTestFailed):
-            kube_json_patch.apply_patch(changed, ops)
+    # The controller's drop of the ended pod since the read (its record in the pod's place): it still applies.
+    ended = {"apiGroup": names.RESERVATION_GROUP, "resource": names.ENDED_POD_RESOURCE, "name": "p", "uid": "pod-1"}
+    dropped = {**claim, "status": {**claim["status"], "reservedFor": [ended]}}
+    assert kube_json_patch.apply_patch(dropped, ops)["metadata"]["finalizers"] == []
+    # Another allocation: it fails. (A consumer since that the attestation does not cover is SG007's to refuse.)
+    other = {**claim, "status": {**claim["status"], "allocation": {"devices": {"results": [{"device": "gpu-1"}]}}}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        kube_json_patch.apply_patch(other, ops)
     # A claim that never held a device is tested on its resourceVersion.
     pending = {"metadata": {"uid": "u", "resourceVersion": "5", "finalizers": [names.FINALIZER]}}
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
         kube_json_patch.apply_patch(
             {"metadata": {**pending["metadata"], "resourceVersion": "6"}}, claims.finalizer_removal_ops(pending, None)
         )
+
+
+def test_the_last_holds_release_deallocates_as_the_controller_would():
+    """The agent's release takes the allocation with its hold where nothing else is left and delete-protection is
+    on the claim (the resourceclaim controller never sees the claim's last consumer go: the hold and the records of
+    ended pods are not its to drop); a claim still reserved for another consumer, or without delete-protection,
+    keeps its allocation."""
+    hold = claims.hold_entry(NODE, "hold-1")
+    pod = {"resource": "pods", "name": "p", "uid": "pod-1"}
+    claim = {
+        "metadata": {"uid": "u", "resourceVersion": "5", "finalizers": [names.DELETE_PROTECTION_FINALIZER]},
+        "status": {"allocation": {"devices": {"results": [{"device": "gpu-0"}]}}, "reservedFor": [hold]},
+    }
+    released = kube_json_patch.apply_patch(claim, claims.hold_release_ops(claim, NODE))
+    assert released["status"] == {"reservedFor": []}
+    # The webhook's records of ended pods go with the hold: they are the attestation's to cover.
+    ended = {"apiGroup": names.RESERVATION_GROUP, "resource": names.ENDED_POD_RESOURCE, "name": "p", "uid": "pod-1"}
+    recorded = {**claim, "status": {**claim["status"], "reservedFor": [ended, hold]}}
+    assert kube_json_patch.apply_patch(recorded, claims.hold_release_ops(recorded, NODE))["status"] == {
+        "reservedFor": []
+    }
+    shared = {**claim, "status": {**claim["status"], "reservedFor": [pod, hold]}}
+    kept = kube_json_patch.apply_patch(shared, claims.hold_release_ops(shared, NODE))
+    assert kept["status"] == {"allocation": claim["status"]["allocation"], "reservedFor": [pod]}
+    unprotected = {**claim, "metadata": {**claim["metadata"], "finalizers": []}}
+    kept = kube_json_patch.apply_patch(unprotected, claims.hold_release_ops(unprotected, NODE))
+    assert kept["status"] == {"allocation": claim["status"]["allocation"], "reservedFor": []}
 
 
 def test_claim_prepared_by_nvidia_but_unknown_to_the_agent_is_fenced_and_scrubbed(tmp_path):

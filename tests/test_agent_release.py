@@ -280,10 +280,10 @@ def test_a_claim_reserved_for_a_pod_group_is_released_once_the_group_is_gone(tmp
     assert claim["metadata"]["uid"] == payload["claim"]["uid"]
 
 
-def test_after_its_attestation_the_agent_writes_nothing_more_the_controllers_drop_is_the_release(tmp_path):
-    """Issue 29 item 2: the attestation's write sends the resourceclaim controller the claim; its drop of the ended
-    pod, through /mutate, takes the hold and the allocation with it. The agent makes no status write of its own
-    after the hold, so none of its writes races the controller's."""
+def test_the_controller_drops_the_ended_pod_once_and_the_agent_releases_in_one_write(tmp_path):
+    """Issue 29 item 2: the resourceclaim controller's drop of the ended pod leaves the webhook's record of it in its
+    place, after which the controller has nothing to drop or reserve again; the agent's attested release takes the
+    hold, the record and the allocation in one status write. Nothing is refused, so nothing is retried."""
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
@@ -293,7 +293,7 @@ def test_after_its_attestation_the_agent_writes_nothing_more_the_controllers_dro
     agent.observe_pod("MODIFIED", node.finish(pod))
     node.settle(agent)
     assert node.clean(0) and not node.cluster.rules
-    assert node.cluster.requests()["patch_claim_status"] == 1, "no release of the agent's own"
-    assert ("team-a", "job") not in node.cluster.claims, "released by the controller's write, and deleted"
+    assert node.cluster.requests()["patch_claim_status"] == 2, "the hold, then the release with the allocation"
+    assert ("team-a", "job") not in node.cluster.claims, "released, and deleted"
     assert node.cluster.refused_deallocations == 0
     assert node.violations.found == []

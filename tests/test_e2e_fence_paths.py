@@ -49,7 +49,7 @@ from test_e2e_faults import (
     wait_unschedulable,
 )
 
-from devcluster.harness import CLAIM_CONTROLLER_USER, REPO_ROOT, Cluster, wait_for
+from devcluster.harness import REPO_ROOT, Cluster, wait_for
 from devcluster.observer import first_rv, is_allocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -145,10 +145,11 @@ def test_a_failed_teardown_is_fenced_and_break_glass_lets_its_claim_go_while_the
     assert not deallocated(cluster, held), "the failed claim keeps its allocation too"
 
     # The claim must go (its namespace is being cleaned up, say): an admin breaks glass. The agent's fence
-    # stands, so the controller's deallocation is let through, audited; the admin strips the finalizer.
+    # stands, so the agent lets its hold go, and the allocation with it (the controller, at rest since the pod's
+    # record took its place, drops nothing), audited; the admin strips the finalizer.
     break_glass(cluster, held)
     wait_for(lambda: deallocated(cluster, held), WAIT_S, f"claim {held.claim} deallocated after break-glass")
-    assert audited(cluster, held, CLAIM_CONTROLLER_USER, "devices fenced after a failed scrub")
+    assert audited(cluster, held, cluster.users["agent"].name, "devices fenced after a failed scrub")
     strip_finalizer_as_admin(cluster, held)
     wait_gone(cluster, held.namespace, held.claim)
 

@@ -159,14 +159,16 @@ def test_a_used_claim_stripped_of_delete_protection_is_not_handed_to_another_nod
     patch_claim(cluster, "admin", ns, "mine", drop)  # an admin may (audited): the guard below still holds
     claim = cluster.claim(ns, "mine") or {}
     assert claim["status"]["allocation"]
-    assert {r["resource"] for r in claim["status"]["reservedFor"]} == {"pods", names.RESERVATION_RESOURCE}, "held"
+    resources = {r["resource"] for r in claim["status"]["reservedFor"]}
+    assert names.RESERVATION_RESOURCE in resources, "held"
+    assert resources <= {"pods", names.ENDED_POD_RESOURCE, names.RESERVATION_RESOURCE}, "the pod or its record"
 
     # A pod on the claim that fits only gpu-node-2, and another tenant asking for gpu-node-1's GPU.
     cluster.core("alice").create_namespaced_pod(ns, pod_on(second.name, "elsewhere", "mine", look_for=secret))
     create_template(cluster, "bob", others, "that-gpu", selectors=[workloads.uuid_selector(uuid)])
     bob = workloads.pod("next", template="that-gpu", annotations=workloads.workload_annotations(look_for=secret))
     cluster.core("bob").create_namespaced_pod(others, bob)
-    # The agent's hold (and the ended pod kept beside it) leaves the claim reserved: PostFilter, which clears only a
+    # The agent's hold (and the ended pod's record beside it) leaves the claim reserved: PostFilter, which clears only a
     # claim reserved for nobody or the pod at hand, does not even try.
     wait_for(lambda: unschedulable(cluster, ns, "elsewhere"), WAIT_S, "the pod on gpu-node-2 unschedulable")
     assert not cluster.audit_denials("SG007", namespace=ns, name="mine", user="system:kube-scheduler")

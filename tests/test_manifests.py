@@ -225,7 +225,7 @@ def test_mutating_rules(docs: list[Doc]):
     on the webhook for nothing."""
     assert covered(by_name(docs)["mutate.scrubgate.dev"]) == {
         *((names.RESOURCE_GROUP, "*", "resourceclaims", op) for op in ("CREATE", "UPDATE")),
-        (names.RESOURCE_GROUP, "*", "resourceclaims/status", "UPDATE"),  # a held claim's ended pods kept
+        (names.RESOURCE_GROUP, "*", "resourceclaims/status", "UPDATE"),  # a held claim's ended pods recorded
     }
 
 

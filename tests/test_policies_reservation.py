@@ -24,6 +24,7 @@ CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
 AGENT = "system:serviceaccount:scrubgate-system:scrubgate-agent"
 POD = {"resource": "pods", "name": "p1", "uid": "pod-1"}
 PENDING = {"resource": "pods", "name": "p2", "uid": "pod-2"}
+ENDED = {"apiGroup": names.RESERVATION_GROUP, "resource": names.ENDED_POD_RESOURCE, "name": "p1", "uid": "pod-1"}
 
 
 def hold(node: str = "node-a", uid: str = "hold-1") -> dict[str, str]:
@@ -91,7 +92,7 @@ def test_the_hold_goes_only_with_an_attestation_bound_to_it():
     assert problems and all("the claim was allocated again since its scrub" in m for m in problems)
     unattested = reserved(allocated(recorded=False), hold())
     (finding,) = [f for f in status_update(unattested, reserved(unattested), CONTROLLER) if "hold" in f.message]
-    assert "released the node agent's hold" in finding.message
+    assert "made a release of node node-a's hold" in finding.message
 
 
 def test_an_attestation_is_bound_to_the_allocation_timestamp():
@@ -117,10 +118,12 @@ def test_an_agent_writes_no_record_on_a_claim_that_is_on_no_node():
     assert "which is on no node" in finding.message
 
 
-def test_while_held_the_controllers_drop_of_an_ended_pod_is_made_a_no_op():
+def test_while_held_the_controllers_drop_of_an_ended_pod_leaves_a_record_of_it():
     """Upstream's resourceclaim controller drops an ended pod (syncClaim) and reserves the still-allocated claim for
-    any bound pod not being deleted (syncPod): while the agent holds the claim, the two would take turns. /mutate
-    keeps the pod, so the controller's write stores nothing; the pod leaves with the deallocation."""
+    any bound pod not being deleted whose UID no entry of the reservation carries (syncPod, IsReservedForPod): while
+    the agent holds the claim, a plain drop would make the two take turns. /mutate puts scrubgate's record of the
+    pod (its name and UID) in its place: the claim still looks used, the controller keeps the record (a consumer it
+    does not know) and finds nothing more to drop or reserve, and the record leaves with the attested release."""
     import jsonpatch
     from scrubgate.policies.engine import Admission, default
     from test_policies_deallocation import POLICY
@@ -130,8 +133,13 @@ def test_while_held_the_controllers_drop_of_an_ended_pod_is_made_a_no_op():
     admission = Admission("UPDATE", CONTROLLER, (), old_object=held, subresource="status")
     (finding,) = default(dropped, POLICY, "UPDATE", admission)
     assert finding.rule == "SG007" and "p1" in finding.message
-    kept = jsonpatch.apply_patch(dropped, list(finding.patch))
-    assert kept["status"]["reservedFor"] == held["status"]["reservedFor"], "in the stored order: nothing to store"
+    recorded = jsonpatch.apply_patch(dropped, list(finding.patch))
+    assert recorded["status"]["reservedFor"] == [ENDED, hold()], "in the pod's place"
+    (again,) = default(recorded, POLICY, "UPDATE", admission)  # reinvoked after another webhook's change
+    assert jsonpatch.apply_patch(recorded, list(again.patch)) == recorded, "no record twice"
+    assert status_update(held, recorded, CONTROLLER) == [], "SG007 lets the record stand for the pod"
+    # The record is the controller's to keep: its next write changes nothing, and nothing is dropped any more.
+    assert default(recorded, POLICY, "UPDATE", admission_for(recorded)) == []
     scheduler = Admission("UPDATE", SCHEDULER, (), old_object=held, subresource="status")
     assert default(dropped, POLICY, "UPDATE", scheduler) == [], "Unreserve: a pod that never ran"
     released = reserved(held, POD)
@@ -146,6 +154,40 @@ def test_while_held_the_controllers_drop_of_an_ended_pod_is_made_a_no_op():
         )
         == []
     )
+
+
+def test_a_record_of_an_ended_pod_stands_only_for_that_pod_and_goes_only_with_the_attestation():
+    held = reserved(allocated(recorded=False), POD, hold())
+    # Not in the place of that pod's own entry: it would keep the controller from reserving the claim for the pod.
+    (finding,) = status_update(held, reserved(held, POD, hold(), {**ENDED, "uid": "pod-9"}), CONTROLLER)
+    assert finding.path == "/status/reservedFor" and "record of ended pod p1 (pod-9)" in finding.message
+    # Taken out before the attestation: refused, as the hold's release is.
+    recorded = reserved(held, ENDED, hold())
+    refusals = status_update(recorded, reserved(recorded, hold()), CONTROLLER)
+    assert [f.rule for f in refusals] == ["SG007"] and "record(s) of ended pod(s) p1" in refusals[0].message
+
+
+def test_on_a_claim_being_deleted_the_controllers_drop_goes_through_and_the_hold_keeps_it_used():
+    """A pod's claim is deleted with its pod (the garbage collector): the API server then takes no new consumer on
+    it, so the controller cannot reserve it again, and the drop is let through. The hold alone keeps the claim
+    used and allocated, SG007 lets the write pass, and the controller has nothing left to drop: at rest until the
+    agent's attested release. Before the attestation, the allocation still goes with nobody's write but the
+    agent's."""
+    from scrubgate.policies.engine import Admission, default
+    from test_policies_deallocation import NVIDIA_CLASSES, POLICY
+
+    finalizers = (names.FINALIZER, names.DELETE_PROTECTION_FINALIZER)
+    held = reserved(allocated(recorded=False, finalizers=finalizers), POD, hold())
+    held["metadata"]["deletionTimestamp"] = "2026-12-05T19:00:00Z"
+    dropped = reserved(held, hold())
+    admission = Admission("UPDATE", CONTROLLER, (), old_object=held, subresource="status")
+    assert default(dropped, POLICY, "UPDATE", admission, NVIDIA_CLASSES) == []
+    assert status_update(held, dropped, CONTROLLER) == [], "the hold stays: the claim still looks used"
+    unattested = reserved(held)
+    del unattested["status"]["allocation"]
+    refusals = status_update(held, unattested, CONTROLLER)
+    assert {f.rule for f in refusals} == {"SG007"}
+    assert {f.path for f in refusals} == {"/status/allocation", "/status/reservedFor"}
 
 
 def test_with_the_attestation_on_it_the_controllers_drop_of_the_ended_pods_is_the_release():
@@ -180,11 +222,24 @@ def test_with_the_attestation_on_it_the_controllers_drop_of_the_ended_pods_is_th
         (reserved(held, POD, hold("node-a", "hold-2")), reserved(held, hold("node-a", "hold-2"))),
     ):
         (finding,) = default(new, POLICY, "UPDATE", admission_for(old), NVIDIA_CLASSES)
-        assert "kept in the reservation" in finding.message
-        assert jsonpatch.apply_patch(new, list(finding.patch))["status"] == old["status"]
+        assert "recorded as ended" in finding.message
+        entries = jsonpatch.apply_patch(new, list(finding.patch))["status"]["reservedFor"]
+        assert ENDED in entries and POD not in entries
 
 
 def admission_for(old: dict[str, Any]):
     from scrubgate.policies.engine import Admission
 
     return Admission("UPDATE", CONTROLLER, (), old_object=old, subresource="status")
+
+
+def test_without_scrubgate_each_record_is_its_pod_again_unless_the_claim_is_being_deleted():
+    """What an uninstall leaves: the holds out, each record its pod's entry again (which the resourceclaim controller
+    then drops as ended, deallocating the claim as it would have); a claim being deleted takes no new entry, so
+    there the records just go (the controller deallocates a claim being deleted that is reserved for nobody)."""
+    from scrubgate.policies.attestation import without_scrubgate
+
+    recorded = reserved(allocated(recorded=False), PENDING, ENDED, hold())
+    assert without_scrubgate(recorded) == [PENDING, POD]
+    recorded["metadata"]["deletionTimestamp"] = "2026-12-05T19:00:00Z"
+    assert without_scrubgate(recorded) == [PENDING]

@@ -119,8 +119,8 @@ def handle_mutate(request: AdmissionRequest, policy: PolicyConfig, classes: Devi
 
 def _safe(op: dict[str, object], ops: list[dict[str, object]]) -> bool:
     """An add, the removal of a finalizer entry the same patch first tests to be scrubgate's, or a held claim's
-    reservation restored or, with its attestation, released (policies/release_guard.kept_consumers_patch: it puts
-    back what the write dropped, or empties the reservation and with it the allocation)."""
+    reservation rewritten or, with its attestation, released (policies/release_guard.kept_consumers_patch: it puts
+    a record of each ended pod in the pod's place, or empties the reservation and with it the allocation)."""
     if op.get("op") in ("add", "test"):
         return True
     if op.get("op") == "replace" and op.get("path") == "/status/reservedFor":
