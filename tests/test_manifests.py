@@ -387,12 +387,18 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
     held = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [pod_ref, hold]}}
     held_only = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [hold]}}
     another_pod = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [hold, {**pod_ref, "uid": "v"}]}}
+    record = {**pod_ref, "apiGroup": "scrubgate.dev", "resource": "endedpods"}
+    recorded = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [record, hold]}}
+    forged = {**CLAIM, "status": {"allocation": allocation, "reservedFor": [pod_ref, hold, {**record, "uid": "v"}]}}
     writes = [
         ("the scheduler's allocation in PreBind", pending, allocated, False),
         ("a driver's status.devices", allocated, with_devices, False),
         ("the controller dropping a pod from a claim no agent holds", allocated, released, True),
         ("the agent adding its hold", allocated, held, True),
         ("the controller dropping a pod from a held claim", held, held_only, False),
+        ("that drop as /mutate leaves it: the pod's record in its place", held, recorded, False),
+        ("a record of a pod the claim was not reserved for", held, forged, True),
+        ("a record taken out (the agent's release)", recorded, released, True),
         ("the scheduler reserving a held claim for another pod", held_only, another_pod, False),
         ("the agent releasing its hold", held_only, released, True),
         ("the controller's deallocation", released, pending, True),
@@ -700,6 +706,7 @@ def mutations() -> Iterator[tuple[str, Doc, bool]]:
     dropping = {
         "resourceclaims/status: the controller dropping a pod from a held claim",
         "resourceclaims/status: the controller dropping a pod from a claim no agent holds",
+        "resourceclaims/status: that drop as /mutate leaves it: the pod's record in its place",  # reinvoked
     }
     for name, data, _ in claim_status_writes():
         held = any(
