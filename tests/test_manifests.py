@@ -270,14 +270,18 @@ def admission(
     subresource: str = "",
     options: Doc | None = None,
     user: str = "alice",
+    node: str | None = None,
 ) -> Doc:
     """The CEL variables of a request, as the API server builds them: an empty subResource is left out (its
-    JSON field is omitempty), `options` is the operation's options object."""
+    JSON field is omitempty), `options` is the operation's options object, `node` the node a ServiceAccount token
+    is bound to (userInfo.extra)."""
     request: Doc = {
         "operation": operation,
         "resource": {"group": group, "version": "v1", "resource": resource},
         "userInfo": {"username": user},
     }
+    if node is not None:
+        request["userInfo"]["extra"] = {names.NODE_NAME_EXTRA: [node]}
     if subresource:
         request["subResource"] = subresource
     if options is not None:
@@ -408,6 +412,22 @@ def claim_status_writes() -> Iterator[tuple[str, Doc, bool]]:
     for name, old, new, expected in writes:
         data = admission(names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old, subresource="status")
         yield f"resourceclaims/status: {name}", data, expected
+    # The agent adding its own node's hold where the allocation names that node: proven, not sent.
+    placed = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]}]}
+    on_node = {**CLAIM, "status": {"allocation": {**allocation, "nodeSelector": placed}, "reservedFor": [pod_ref]}}
+    held_on_node = {**on_node, "status": {**on_node["status"], "reservedFor": [pod_ref, hold]}}
+    agent = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
+    for name, old, new, user, node, expected in (
+        ("the agent adding its own node's hold", on_node, held_on_node, agent, "n", False),
+        ("the agent adding another node's hold", on_node, held_on_node, agent, "m", True),
+        ("the agent adding a hold where the allocation names no node", allocated, held, agent, "n", True),
+        ("another user adding the hold", on_node, held_on_node, "alice", "n", True),
+        ("the agent's hold without a node-bound token", on_node, held_on_node, agent, None, True),
+    ):
+        data = admission(
+            names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old, subresource="status", user=user, node=node
+        )
+        yield f"resourceclaims/status: {name}", data, expected
 
 
 def with_requests(*requests: Doc, template: bool = False) -> Doc:
@@ -527,6 +547,29 @@ def claim_updates() -> Iterator[tuple[str, Doc, bool]]:
             admission(names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old),
             expected,
         )
+    # The agent labelling a claim with its own node, where the allocation names that node: proven, not sent.
+    on_node = claim(protected, allocated=True)
+    on_node["status"]["allocation"]["nodeSelector"] = {
+        "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]}]
+    }
+    labelled = {**on_node, "metadata": {**on_node["metadata"], "labels": {names.LABEL_NODE: "n"}}}
+    elsewhere = {**on_node, "metadata": {**on_node["metadata"], "labels": {names.LABEL_NODE: "m"}}}
+    unplaced = claim(protected, allocated=True)
+    agent = f"system:serviceaccount:{names.SYSTEM_NAMESPACE}:{names.AGENT_SERVICE_ACCOUNT}"
+    for name, old, new, user, node, expected in (
+        ("the agent labelling a claim on its node with it", on_node, labelled, agent, "n", False),
+        ("the agent labelling a claim on its node, its token bound to another", on_node, labelled, agent, "m", True),
+        ("the agent labelling a claim with another node", on_node, elsewhere, agent, "m", True),
+        ("the agent labelling a claim whose allocation names no node", unplaced, {
+            **unplaced, "metadata": {**unplaced["metadata"], "labels": {names.LABEL_NODE: "n"}}}, agent, "n", True),
+        ("the agent's label without a node-bound token", on_node, labelled, agent, None, True),
+        ("a tenant labelling a claim with its node", on_node, labelled, "alice", "n", True),
+        ("the agent removing its node's label", labelled, on_node, agent, "n", True),
+        ("the agent labelling and annotating at once", on_node, {
+            **labelled, "metadata": {**labelled["metadata"], "annotations": status}}, agent, "n", True),
+    ):  # fmt: skip
+        data = admission(names.RESOURCE_GROUP, "resourceclaims", "UPDATE", new, old, user=user, node=node)
+        yield f"resourceclaims UPDATE: {name}", data, expected
 
 
 def namespace(**labels: str) -> Doc:
