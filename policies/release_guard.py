@@ -442,8 +442,8 @@ def _unfounded_records(obj: dict[str, Any], old: dict[str, Any], who: Requester)
 
 
 def kept_consumers_patch(obj: dict[str, Any], old: dict[str, Any], who: Requester, scope: Scope) -> list[Violation]:
-    """SG007's other half, for /mutate: while a node agent holds a claim, the pods it was reserved for stay in its
-    reservation until the attested release, which this write then makes.
+    """SG007's other half, for /mutate: while a node agent holds a claim, each pod dropped from its reservation
+    leaves a record of itself there until the attested release, which this write makes where it can.
 
     Kubernetes' resourceclaim controller drops an ended pod from a claim (syncClaim), keeping consumers it does not
     know (the hold), and reserves an allocated claim again for any pod bound to a node and not being deleted, ended
