@@ -41,7 +41,7 @@ from . import workloads
 from .harness import Cluster
 from .kubelet import CANARY_FOUND
 from .observer import Observed
-from .processes import HarnessError, wait_for
+from .processes import HarnessError, ManagedProcess, wait_for
 from .refused_claim import RefusedClaim
 
 RUN_LABEL = "devcluster.scrubgate.dev/load-run"
@@ -348,26 +348,28 @@ PLANE_PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sc
 
 
 def cpu_seconds(cluster: Cluster) -> Counter[str]:
-    """CPU seconds (user and system) each process group has used so far, from /proc/<pid>/stat."""
+    """CPU seconds (user and system) each process group, and each of the control plane's processes, has used so
+    far, from /proc/<pid>/stat."""
     plane = cluster.control_plane
-    plane_processes = [plane.etcd, plane.apiserver, plane.controller_manager, plane.scheduler]
-    groups = {
-        CONTROL_PLANE: list(zip(PLANE_PROCESSES, plane_processes, strict=True)),
-        SCRUBGATE: [("", process) for process in [cluster.webhook, *(node.agent for node in cluster.nodes)]],
-    }
     found: Counter[str] = Counter()
-    for group, processes in groups.items():
-        for name, process in processes:
-            if process.pid is None or not process.running:
-                continue
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                # after the parenthesised command name: utime and stime are fields 14 and 15 of the line
-                fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-                found[group] += seconds
-                if name:
-                    found[name] += seconds  # where the control plane's share goes
+    for name, process in zip(
+        PLANE_PROCESSES, [plane.etcd, plane.apiserver, plane.controller_manager, plane.scheduler], strict=True
+    ):
+        found[name] = _cpu_seconds_of(process)
+        found[CONTROL_PLANE] += found[name]
+    for process in [cluster.webhook, *(node.agent for node in cluster.nodes)]:
+        found[SCRUBGATE] += _cpu_seconds_of(process)
     return found
+
+
+def _cpu_seconds_of(process: ManagedProcess) -> float:
+    if process.pid is None or not process.running:
+        return 0.0
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        # after the parenthesised command name: utime and stime are fields 14 and 15 of the line
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 def counters(text: str, wanted: dict[str, Keys]) -> Counter[str]:

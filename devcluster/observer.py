@@ -18,7 +18,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from scrubgate.policies import names
-from scrubgate.policies.attestation import AttestationError, check_claim_attestation, claimed_devices
+from scrubgate.policies.attestation import (
+    AttestationError,
+    check_claim_attestation,
+    claimed_devices,
+    is_ended_pod_record,
+)
 
 from .processes import wait_for
 
@@ -109,7 +114,7 @@ def invariant_violations(events: Iterable[Observed], public_keys: dict[str, Ed25
         pods = (
             set()
             if event.type == "DELETED"
-            else {r.get("uid", "") for r in reserved if r.get("resource") in ("pods", names.ENDED_POD_RESOURCE)}
+            else {r.get("uid", "") for r in reserved if r.get("resource") == "pods" or is_ended_pod_record(r)}
         )
         for pod in reserved_pods.pop(uid, set()) - pods:
             reserving[pod].discard(uid)

@@ -428,7 +428,7 @@ def _unfounded_records(obj: dict[str, Any], old: dict[str, Any], who: Requester)
     """A record of an ended pod stands only in the place of that pod's own entry (name and UID), in the write that
     drops it: one for a pod the claim was not reserved for would keep the resourceclaim controller from reserving
     the claim for that pod."""
-    replaced = set(reserved_pods(old)) - set(reserved_pods(obj))
+    known = set(ended_pod_records(old)) | (set(reserved_pods(old)) - set(reserved_pods(obj)))
     return [
         (
             f"user {who.username!r} added a record of ended pod {name} ({uid}) to a claim that was not reserved for "
@@ -437,7 +437,7 @@ def _unfounded_records(obj: dict[str, Any], old: dict[str, Any], who: Requester)
             (),
         )
         for name, uid in ended_pod_records(obj)
-        if (name, uid) not in ended_pod_records(old) and (name, uid) not in replaced
+        if (name, uid) not in known
     ]
 
 

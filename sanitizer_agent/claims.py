@@ -178,7 +178,7 @@ def release_reason(claim: dict[str, Any] | None, uid: str, ended: Container[str]
 
     Released: the claim is gone (or replaced by a new one of that name), deallocated, reserved for nobody,
     or reserved only for consumers that have ended (`ended`: UIDs of pods terminal or deleted, and of other
-    consumers, a PodGroup, deleted). A claim being deleted is not released by that: the
+    consumers, a PodGroup, deleted). A record of an ended pod counts as that pod, known ended only by its UID. A claim being deleted is not released by that: the
     API server only stops new reservations, and the pods already reserved keep running on its devices.
     """
     if claim is None:
@@ -193,7 +193,7 @@ def release_reason(claim: dict[str, Any] | None, uid: str, ended: Container[str]
     consumers = [c for c in map(_dict, _list(status.get("reservedFor"))) if not _is_hold(c)]
     if not consumers:
         return "no longer reserved for any pod"
-    if all(c.get("uid") in ended or is_ended_pod_record(c) for c in consumers):
+    if all(c.get("uid") in ended for c in consumers):
         if all((c.get("resource") == "pods" and not c.get("apiGroup")) or is_ended_pod_record(c) for c in consumers):
             return f"pod {', '.join(str(c.get('name')) for c in consumers)} terminal or deleted"
         return f"{', '.join(_consumer(c) for c in consumers)} ended or deleted"

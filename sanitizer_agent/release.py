@@ -161,12 +161,13 @@ class ReleaseChecks:
         """Consumers the claim is reserved for that the agent has not seen end: pods it has neither seen running
         nor ending (they ended while it was down, or were bound since its last list), and consumers that are not
         pods (a PodGroup, whose pods may all be gone while the claim stays reserved for it): asks the API which
-        have ended (a pod terminal or deleted, another consumer deleted)."""
+        have ended (a pod terminal or deleted, another consumer deleted). The webhook's record of an ended pod is
+        looked up as that pod: whoever can write the claim's status could write one for a pod that still runs."""
         namespace = (claim.get("metadata") or {}).get("namespace") or ""
         for resource, name, uid in claim_consumers(claim):
-            if not uid or uid in self.view.ended or uid in self.view.live_pods or is_ended_pod(resource):
+            if not uid or uid in self.view.ended or uid in self.view.live_pods:
                 continue
-            if resource == "pods":
+            if resource == "pods" or is_ended_pod(resource):
                 found = self.cluster.get_pod(namespace, name)
                 ended = found is None or pod_finished(found)
             else:

@@ -53,6 +53,12 @@ def test_release_reasons():
     held_by_group = {**claim, "status": {"allocation": {"x": 1}, "reservedFor": [group]}}
     assert claims.release_reason(held_by_group, "u1", {"p1"}) is None
     assert claims.release_reason(held_by_group, "u1", {"g1"}) == "podgroups.scheduling.k8s.io g ended or deleted"
+    # The webhook's record of an ended pod counts as that pod: ended once the agent knows it ended, not before
+    # (whoever writes the claim's status could write one for a pod that still runs).
+    record = {"apiGroup": names.RESERVATION_GROUP, "resource": names.ENDED_POD_RESOURCE, "name": "p", "uid": "p1"}
+    recorded = {**claim, "status": {"allocation": {"x": 1}, "reservedFor": [record]}}
+    assert claims.release_reason(recorded, "u1", set()) is None
+    assert claims.release_reason(recorded, "u1", {"p1"}) == "pod p terminal or deleted"
 
 
 def test_slice_devices_read_every_shape():

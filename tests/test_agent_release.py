@@ -8,7 +8,7 @@ import logging
 import pytest
 from agent_support import DRIVER, NODE, make_node, recorded
 from scrubgate.policies import names
-from scrubgate.policies.attestation import check_claim_attestation
+from scrubgate.policies.attestation import check_claim_attestation, ended_pod_entry
 from scrubgate.sanitizer_agent.checkpoint import State
 
 pytestmark = pytest.mark.timeout(60)
@@ -297,3 +297,26 @@ def test_the_controller_drops_the_ended_pod_once_and_the_agent_releases_in_one_w
     assert ("team-a", "job") not in node.cluster.claims, "released, and deleted"
     assert node.cluster.refused_deallocations == 0
     assert node.violations.found == []
+
+
+def test_a_record_of_a_pod_that_still_runs_does_not_release_the_claim(tmp_path):
+    """The webhook's record of an ended pod is taken for that pod, not for its end: a status writer who put one in
+    the place of a running pod's entry gets no scrub under the pod: the agent goes by what it knows of the pod (here: running), or asks the API."""
+    node = make_node(tmp_path)
+    agent = node.agent()
+    agent.start()
+    _, pod = node.tenant("job", [0])
+    agent.observe_pod("ADDED", pod)
+    stored = node.cluster.claims[("team-a", "job")]
+    stored["status"]["reservedFor"] = [
+        ended_pod_entry(entry) if entry.get("resource") == "pods" else entry
+        for entry in stored["status"]["reservedFor"]
+    ]
+    agent.observe_claim("MODIFIED", stored)
+    agent.resync()
+    node.settle(agent)
+    (td,) = agent.store.teardowns.values()
+    assert td.state == State.ALLOCATED, "released while its pod runs"
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.clean(0), "released once the pod has ended"
