@@ -327,7 +327,7 @@ def test_the_default_coverage_bound_is_two_percent(node, open_nvml):
     node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB // 2}}  # 2 MiB of 128: 1.6%, within
     node.save()
     backend = open_nvml(max_unreachable_fraction=NvmlBackend.__init__.__kwdefaults__["max_unreachable_fraction"])
-    assert backend.max_unreachable_fraction == 0.02
+    assert backend._scrubber.max_unreachable_fraction == 0.02
     assert backend.scrub(gpu["uuid"]).verified
     node.data["cuda"] = {"heldBytes": {gpu["uuid"]: 3 * MiB}}  # 3.5 MiB: 2.7%, beyond
     node.save()
@@ -447,7 +447,7 @@ def test_a_scrubber_that_reports_nonsense_fails_closed(node, open_nvml, tmp_path
     liar = tmp_path / "liar.py"
     liar.write_text('print(\'{"bytesScrubbed": "all of it", "nonzeroWords": 0}\')\n')
     backend = open_nvml()
-    monkeypatch.setattr(backend._child, "script", liar)
+    monkeypatch.setattr(backend._scrubber.child, "script", liar)
     result = backend.scrub(gpu["uuid"])
     assert not result.verified and "malformed report" in result.reason
 
@@ -587,7 +587,7 @@ def test_the_ecc_sampler_opens_one_short_window_per_gpu(node, open_nvml, monkeyp
         shutdown()
 
     monkeypatch.setattr(pynvml, "nvmlShutdown", closing)
-    backend._sample_ecc()
+    backend._health.sample_ecc()
     assert windows == [{g["uuid"]} for g in gpus]
 
 
@@ -604,13 +604,13 @@ def test_nvml_is_closed_while_a_scrub_runs(node, open_nvml, monkeypatch, way):
     backend = open_nvml()
     own_session = node.root / "nvml-sessions" / str(os.getpid())
     open_during: list[bool] = []
-    run_child = backend._child.run
+    run_child = backend._scrubber.child.run
 
     def watched(uuid: str, args: list[str]) -> Any:
         open_during.append(own_session.exists())
         return run_child(uuid, args)
 
-    monkeypatch.setattr(backend._child, "run", watched)
+    monkeypatch.setattr(backend._scrubber.child, "run", watched)
     if way == "whole GPU":
         result = backend.scrub(gpu["uuid"])
     else:
@@ -860,8 +860,10 @@ def test_the_start_up_check_opens_a_cuda_context_once_on_an_idle_device(node, op
     idle = node.add_gpu()
     backend = open_nvml()
     runs: list[tuple[str, list[str]]] = []
-    run = backend._child.run
-    monkeypatch.setattr(backend._child, "run", lambda uuid, args: (runs.append((uuid, args)), run(uuid, args))[1])
+    run = backend._scrubber.child.run
+    monkeypatch.setattr(
+        backend._scrubber.child, "run", lambda uuid, args: (runs.append((uuid, args)), run(uuid, args))[1]
+    )
     assert backend.cuda_problem() is None
     assert runs == [(idle["uuid"], ["--check"])], "a whole GPU no process holds, out of MIG mode"
     node.data["gpus"][2]["processes"]["compute"] = [[4343, MiB]]
@@ -878,7 +880,7 @@ def test_with_every_device_held_the_cuda_check_waits_for_the_first_scrub(node, o
     caplog.set_level(logging.INFO)
     node.add_gpu(processes={"compute": [[4242, MiB]], "graphics": [], "mps": []})
     backend = open_nvml()
-    monkeypatch.setattr(backend._child, "run", lambda uuid, args: pytest.fail("no device to check on"))
+    monkeypatch.setattr(backend._scrubber.child, "run", lambda uuid, args: pytest.fail("no device to check on"))
     assert backend.cuda_problem() is None
     assert any("no idle device for the CUDA check" in r.getMessage() for r in caplog.records)
 

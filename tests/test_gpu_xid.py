@@ -208,7 +208,7 @@ def test_a_log_read_from_its_first_record_has_no_gap(node, open_nvml):
     backend = open_nvml(watch_xids=True)
     node.log_xid(gpu["uuid"], 13)  # read, and not critical: the backlog is behind it
     assert wait_for(lambda: backend.health(gpu["uuid"], 0).xids == ())
-    assert backend._xids is not None and backend._xids.gap is None
+    assert backend._health.xids is not None and backend._health.xids.gap is None
 
 
 class _KernelLogFault:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import GpuError
+from .nvml_errors import nvml_error_is
 from .xid import PciAddress
 
 PARENTS_KEPT = 4096
@@ -46,9 +47,6 @@ class Devices:
         self.pci: dict[str, PciAddress] = {}  # GPU UUID -> PCI address, learned by `enumerate` and searches
         self._parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID
 
-    def _is(self, exc: Exception, name: str) -> bool:
-        return getattr(exc, "value", None) == getattr(self._nvml, f"NVML_ERROR_{name}")
-
     def note_parent(self, mig_uuid: str, gpu_uuid: str) -> None:
         """A MIG device seen through its GPU (made since the inventory): looked up through that GPU from now on."""
         if len(self._parents) >= PARENTS_KEPT:  # each scrub's own instance is a new UUID: a cache, not a record
@@ -64,7 +62,7 @@ class Devices:
         try:
             return bool(nvml.nvmlDeviceGetMigMode(gpu)[0] == nvml.NVML_DEVICE_MIG_ENABLE)
         except nvml.NVMLError as exc:
-            if not self._is(exc, "NOT_SUPPORTED"):
+            if not nvml_error_is(self._nvml, exc, "NOT_SUPPORTED"):
                 raise
             return False
 
@@ -75,7 +73,7 @@ class Devices:
             try:
                 yield slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
             except nvml.NVMLError as exc:
-                if not self._is(exc, "NOT_FOUND"):  # an empty slot
+                if not nvml_error_is(self._nvml, exc, "NOT_FOUND"):  # an empty slot
                     raise
 
     def enumerate(self) -> tuple[list[tuple[int, Handle]], list[str]]:
@@ -111,7 +109,7 @@ class Devices:
         try:
             handle = nvml.nvmlDeviceGetHandleByPciBusId(bus_id(self.pci[uuid]))
         except nvml.NVMLError as exc:
-            if self._is(exc, "NOT_FOUND"):
+            if nvml_error_is(self._nvml, exc, "NOT_FOUND"):
                 return None
             raise
         return handle if nvml.nvmlDeviceGetUUID(handle) == uuid else None  # another GPU at that address now
@@ -137,7 +135,7 @@ class Devices:
         try:
             handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
         except nvml.NVMLError as exc:
-            if self._is(exc, "NOT_FOUND"):
+            if nvml_error_is(self._nvml, exc, "NOT_FOUND"):
                 return None
             raise
         is_mig = nvml.nvmlDeviceIsMigDeviceHandle(handle)
