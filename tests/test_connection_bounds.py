@@ -79,6 +79,37 @@ def test_a_served_connection_of_the_api_server_stays_open_past_the_read_deadline
         assert answered(conn, request), "closed at the read deadline: the API server's next review would get EOF"
 
 
+def test_an_unused_connection_of_the_api_server_stays_open_past_the_read_deadline(tmp_path: Path):
+    """kube-apiserver's Go transport dials ahead of need and parks a connection it did not use in its idle pool,
+    where it may send a review on it any time within 90 s: cut at the read deadline because nothing came yet, that
+    review got EOF (seen once in the differential test of DeviceClasses). A connection with the API server's
+    client certificate is kept alive before its first request too; one without it is still closed."""
+    with serving_api_server_only(tmp_path, read_timeout_s=0.5) as running:
+        context = ssl.create_default_context(cafile=str(running.ca_file))
+        context.load_cert_chain(*running.api_server_cert)
+        request = b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n"
+        raw = socket.create_connection(("127.0.0.1", running.port), timeout=5)
+        with context.wrap_socket(raw, server_hostname="scrubgate-webhook.scrubgate-system.svc") as api_server:
+            with tls_connection(running) as stranger:
+                assert closed_within(stranger, 5.0), "a caller without the certificate held an unused connection"
+            assert answered(api_server, request), "closed at the read deadline: the API server's review would get EOF"
+
+
+def test_a_review_after_a_pause_has_the_whole_read_deadline(tmp_path: Path):
+    """On a kept-alive connection of the API server, a review that comes after a pause longer than the read deadline
+    and arrives in more than one read is not cut halfway: its deadline runs from its first byte."""
+    with serving_api_server_only(tmp_path, read_timeout_s=0.5) as running:
+        context = ssl.create_default_context(cafile=str(running.ca_file))
+        context.load_cert_chain(*running.api_server_cert)
+        raw = socket.create_connection(("127.0.0.1", running.port), timeout=5)
+        with context.wrap_socket(raw, server_hostname="scrubgate-webhook.scrubgate-system.svc") as api_server:
+            assert answered(api_server, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(1.0)  # two read deadlines, well within the keep-alive
+            api_server.sendall(b"GET /readyz HTTP/1.1\r\n")
+            time.sleep(0.25)  # two sweeps of the deadline while the request is half in
+            assert answered(api_server, b"Host: x\r\n\r\n"), "cut halfway: the API server's review would get EOF"
+
+
 @pytest.fixture
 def guarded(tmp_path: Path):
     """With --client-ca, as the shipped Deployment runs; handshakes must be done within half a second."""

@@ -190,6 +190,11 @@ class HTTPConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._reset_message()
         self.partial = True
+        if self.served:
+            # The read deadline of a request on a kept-alive connection runs from its first byte, not from the last
+            # answer: else a review that comes after a pause longer than the deadline, in more than one read, was
+            # cut halfway (the API server got EOF).
+            self.idle_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self._target += url

@@ -11,7 +11,9 @@ needs no certificate. So a connection is counted, in turn, in one budget of its 
 
 Every budget but `apiserver` closes its oldest connection to make room for a new one: a real client is done
 within milliseconds, so keeping one of them out takes a flood of new connections, not a slow trickle of held
-ones. Every connection must bring a whole request within the read deadline of its opening or its last answer.
+ones. Every connection must bring a whole request within the read deadline of its opening or its last answer; one
+of the API server's (its client certificate verified), between requests, within its keep-alive
+(defaults.KEEP_ALIVE_IDLE_S), used yet or not.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Protocol
 from . import defaults
 from .http11 import ASGIApp, HTTPConnection, Limits
 from .metrics import Metrics
-from .tls import CLIENT_VERDICT, ServingTLS
+from .tls import CLIENT_VERDICT, ClientVerdict, ServingTLS
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +220,16 @@ def _late(connection: HTTPConnection, budget: Budget, now: float, read_timeout_s
 
 
 def _waiting(connection: HTTPConnection) -> bool:
-    """Part of a request read, or none served yet: the read deadline applies."""
-    return bool(connection.partial) or connection.served == 0
+    """Part of a request read, or none served yet on a connection whose caller did not prove to be the API
+    server: the read deadline applies. kube-apiserver's Go transport dials ahead of need and parks a connection it
+    did not use in its idle pool, to send a review on it any time within 90 s: cut at the read deadline, that
+    review got EOF ("failed calling webhook ... EOF", a POST it does not retry). So the API server's own
+    connection is kept alive, answered or not."""
+    if connection.partial:
+        return True
+    verdict = connection.state.get(CLIENT_VERDICT)
+    proven = isinstance(verdict, ClientVerdict) and verdict.allowed and bool(verdict.subject)
+    return connection.served == 0 and not proven
 
 
 def _expire(budget: Budget, connection: HTTPConnection, read_timeout_s: float) -> None:
