@@ -28,7 +28,7 @@ from scrubgate.sanitizer_agent.agent import Agent, AgentSettings
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
-from scrubgate.sanitizer_agent.teardown import Signer
+from scrubgate.sanitizer_agent.signing import Signer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from memcluster import InMemoryCluster

@@ -56,8 +56,9 @@ from .lanes import Lanes
 from .metrics import AgentMetrics
 from .node_view import NodeView
 from .release import ReleaseChecks
+from .signing import Signer
 from .steps import Steps
-from .teardown import Signer, TeardownEngine, TeardownSettings, TransitionHook
+from .teardown import TeardownEngine, TeardownSettings, TransitionHook
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class Agent:
             if self._lanes
             else None,
         )
-        self.metrics.oldest_release.set_function(self._engine.oldest_release_s)  # at each scrape
+        self.metrics.oldest_release.set_function(self._engine.watchdog.oldest_release_s)  # at each scrape
         if version:
             log.info("node %s: fencing with DeviceTaintRule %s/%s", self.node, "resource.k8s.io", version)
         self.intake.refresh_slices()
@@ -192,7 +193,7 @@ class Agent:
         if owed:
             log.info("node %s: checkpoint owes %d teardown(s); making sure they are out of reach", self.node, len(owed))
         for td in owed:
-            self.steps.guarded(td, lambda td=td: self.engine.ensure_fenced(td))
+            self.steps.guarded(td, lambda td=td: self.engine.fences.ensure_fenced(td))
         self.releases.check_holds(DIRTY_STATES)
         if self.settings.nvidia_checkpoint is not None:
             for prepared in nvidia.read_prepared_claims(self.settings.nvidia_checkpoint):
@@ -281,13 +282,13 @@ class Agent:
         idle = time.monotonic() - self._last_tick
         if idle > self.settings.liveness_s:
             return False, f"agent loop stuck for {idle:.0f}s"
-        stuck = self.engine.stuck()
+        stuck = self.engine.watchdog.stuck()
         if stuck:
             return False, "; ".join(stuck)
         unwatched = self.backend.watch_error()
         if unwatched:
             return False, f"XID watch stopped, every health check of a device fails: {unwatched}"
-        fenced, failed = self.engine.fenced_devices()
+        fenced, failed = self.engine.fences.fenced_devices()
         return True, f"ok: {len(self.store.teardowns)} teardown(s), {fenced} device(s) fenced, {failed} failed"
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -315,7 +316,7 @@ class Agent:
         for td in self._teardowns():
             if td.state in DIRTY_STATES and td.fenced is None:
                 try:
-                    self.engine.fence(td, FenceReason.HAND_OVER)
+                    self.engine.fences.fence(td, FenceReason.HAND_OVER)
                 except ClusterError as exc:
                     log.error(
                         "claim %s: could not fence %s before stopping (%s); its allocation keeps it from other "

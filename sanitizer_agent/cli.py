@@ -197,7 +197,8 @@ def _run_agent(args: argparse.Namespace) -> int:
     from .kube import ClusterError, KubernetesClusterClient
     from .metrics import AgentMetrics, serve
     from .rescrub import request_dir
-    from .teardown import Signer, TeardownSettings
+    from .signing import Signer
+    from .teardown import TeardownSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("scrubgate.agent")

@@ -92,7 +92,7 @@ class Intake:
             # which is too urgent to wait out a teardown's backoff.
             for td in list(self.store.teardowns.values()):
                 try:
-                    self.engine.cover_overlaps(td, self.slices)
+                    self.engine.fences.cover_overlaps(td, self.slices)
                 except ClusterError as exc:
                     self._backoff(td, exc)
 

@@ -17,6 +17,7 @@ from scrubgate.policies import names
 from scrubgate.policies.attestation import claim_consumers, is_ended_pod
 
 from .checkpoint import DIRTY_STATES, CheckpointStore, FenceReason, State, Teardown
+from .claim_writes import record_event
 from .claims import holds_devices, pod_finished, release_reason
 from .kube import ClusterClient
 from .metrics import AgentMetrics
@@ -132,7 +133,7 @@ class ReleaseChecks:
         if _glass_broken(claim) and cached:
             claim = self.read(td)  # the hold goes on the claim as it is now
         if _glass_broken(claim):
-            self.engine.release_hold(td)
+            self.engine.claim_writer.release_hold(td)
 
     # ---------------------------------------------------------------- the claim
 
@@ -183,7 +184,7 @@ class ReleaseChecks:
     def _allocation_lost(self, td: Teardown, claim: Claim | None) -> None:
         """The claim's allocation went (cleared, or the claim deleted) before the scrub of its devices was
         attested, which SG007 refuses: the guard was bypassed or removed. The devices are fenced at once."""
-        if not self.engine.fence(td, FenceReason.ALLOCATION_LOST):
+        if not self.engine.fences.fence(td, FenceReason.ALLOCATION_LOST):
             return  # fenced already
         self.metrics.unattested_deallocations.inc()
         gone = claim is None or (claim.get("metadata") or {}).get("uid") != td.claim.uid
@@ -195,4 +196,4 @@ class ReleaseChecks:
             "may have seen the last tenant's data: find the deallocation in the API server's audit log"
         )
         log.error("%s", message)
-        self.engine.record_event(td, "UnattestedDeallocation", message, on_node=gone)
+        record_event(self.cluster, self.node, td, "UnattestedDeallocation", message, now=self.clock(), on_node=gone)

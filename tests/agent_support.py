@@ -32,7 +32,8 @@ from scrubgate.sanitizer_agent.fences import SHARES_MEMORY_ANNOTATION
 from scrubgate.sanitizer_agent.gpu import GpuDevice, simulated
 from scrubgate.sanitizer_agent.gpu.simulated import SimulatedGpu
 from scrubgate.sanitizer_agent.rescrub import request_dir
-from scrubgate.sanitizer_agent.teardown import Signer, TeardownSettings
+from scrubgate.sanitizer_agent.signing import Signer
+from scrubgate.sanitizer_agent.teardown import TeardownSettings
 
 from devcluster.harness import CLAIM_CONTROLLER_USER
 

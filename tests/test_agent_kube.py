@@ -260,7 +260,7 @@ def test_without_device_taint_rules_the_node_taint_fences_the_teardown_and_says_
         return original(uuid)
 
     backend.scrub = scrub
-    agent.backend = agent.engine.backend = backend
+    agent.backend = agent.engine.gpu_steps.backend = backend
     agent.observe_pod("MODIFIED", node.cluster.set_pod_phase(pod["metadata"]["uid"], "Succeeded"))
     assert seen == [[names.TAINT_UNSANITIZED]], "the node was tainted while the device was scrubbed"
     assert node.cluster.node_taints(NODE) == [] and node.clean(0)

@@ -122,7 +122,7 @@ def test_full_gpu_teardown_fences_its_mig_slices(tmp_path):
         return original(uuid)
 
     backend.scrub = scrub
-    agent.backend = agent.engine.backend = backend
+    agent.backend = agent.engine.gpu_steps.backend = backend
     agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
     node.settle(agent)
     assert seen == [True], "the slices stayed fenced while the GPU was scrubbed"
