@@ -69,9 +69,9 @@ def main() -> int:
     from devcluster import workloads
     from devcluster.harness import (
         Cluster,
-        object_path,
         wait_for,
     )
+    from devcluster.kubeapi import object_path
 
     with Cluster(args.workdir, gpus=1) as cluster:
         ns = "bench-admission"

@@ -47,7 +47,8 @@ from scrubgate.policies.attestation import (
 )
 
 from devcluster import workloads
-from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, User, denial, wait_for
+from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, denial, wait_for
+from devcluster.kubeapi import User
 from devcluster.observer import first_rv, is_allocated, is_attested
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

@@ -48,13 +48,13 @@ from scrubgate.sanitizer_agent.gpu import simulated
 
 from devcluster import workloads
 from devcluster.harness import (
-    AGENT_USER,
     CLAIM_CONTROLLER_USER,
-    WEBHOOK_HOST,
     Cluster,
     denial,
     wait_for,
 )
+from devcluster.kubeapi import AGENT_USER
+from devcluster.webhook import WEBHOOK_HOST
 
 pytestmark = pytest.mark.e2e
 

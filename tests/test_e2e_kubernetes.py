@@ -29,7 +29,8 @@ from kubernetes.client.exceptions import ApiException
 from scrubgate.policies import names
 
 from devcluster import workloads
-from devcluster.harness import Cluster, denial, object_path, wait_for
+from devcluster.harness import Cluster, denial, wait_for
+from devcluster.kubeapi import object_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -18,7 +18,7 @@ import pytest
 from k8s_support import api_server
 from scrubgate.policies import names
 
-from devcluster.harness import render_base
+from devcluster.install import render_base
 from devcluster.processes import wait_for
 from scrubgate.kubeapi import KubeApi
 

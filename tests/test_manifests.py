@@ -18,7 +18,7 @@ from scrubgate.certs.inject import count_webhooks, inject_yaml_text
 from scrubgate.policies import names
 from scrubgate.policies.config import load_policy
 
-from devcluster.harness import render_base
+from devcluster.install import render_base
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
