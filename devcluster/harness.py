@@ -25,7 +25,7 @@ to 127.0.0.1 on ephemeral ports and lives in one work directory; processes write
 (devcluster/workdir.py), the API as the admin or a tenant (``cluster.kube``, devcluster/kubeapi.py), the webhook
 and its Service (``cluster.webhook_host``, devcluster/webhook.py) and audit log (``cluster.audit``,
 devcluster/audit.py), the controller (``cluster.controller_host``, devcluster/controller.py), the nodes
-(devcluster/nodes.py), the pods' tokens (devcluster/credentials.py) and scrubgate's installation
+(devcluster/sim_nodes.py), the pods' tokens (devcluster/credentials.py) and scrubgate's installation
 (``cluster.installation``, devcluster/install.py); the names tests call on the cluster forward to them.
 
 A test and demo harness, not part of scrubgate (see devcluster/README.md).
@@ -51,9 +51,9 @@ from .controlplane import ControlPlane, StaticUser
 from .credentials import Credentials
 from .install import KEY_ID, Installation
 from .kubeapi import CLAIM_CONTROLLER_USER, KubeApi, cluster_users, denial
-from .nodes import SimNode, install_nodes, node_name, wait_slices_published
 from .observer import Observed, Observer, invariant_violations
 from .processes import REPO_ROOT, HarnessError, ManagedProcess, wait_for
+from .sim_nodes import SimNode, install_nodes, node_name, wait_slices_published
 from .webhook import WebhookHost
 from .workdir import Paths
 

@@ -23,8 +23,8 @@ from .controller import ControllerHost
 from .controlplane import ControlPlane, binaries
 from .credentials import Credentials
 from .kubeapi import KubeApi
-from .nodes import SimNode
 from .processes import REPO_ROOT, HarnessError
+from .sim_nodes import SimNode
 from .webhook import WebhookHost
 from .workdir import Paths
 

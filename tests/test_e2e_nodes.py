@@ -28,7 +28,7 @@ from test_e2e_kubernetes import binding_refused, refuse_binding, unschedulable
 from devcluster import workloads
 from devcluster.harness import CLAIM_CONTROLLER_USER, Cluster, wait_for
 from devcluster.kubeapi import object_path
-from devcluster.nodes import SimNode
+from devcluster.sim_nodes import SimNode
 
 cluster_factory_fixture = e2e_support.cluster_factory_fixture
 

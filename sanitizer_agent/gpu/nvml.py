@@ -29,8 +29,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from scrubgate.policies.names import ATTESTATION_METHOD
-
 from . import cuda_scrub, device_info, mig
 from .base import GpuDevice, GpuError, GpuProcess, HealthSnapshot, MigPlacement, ScrubResult
 from .child import ScrubChild
@@ -62,8 +60,6 @@ def _in_session(method: _Method) -> _Method:
 
 class NvmlBackend:
     """GpuBackend over NVML and the CUDA driver API."""
-
-    method = ATTESTATION_METHOD
 
     def __init__(
         self,

@@ -310,8 +310,6 @@ def clear_faults(root: Path | str, uuid: str | None = None, kind: FaultKind | No
 class SimulatedGpu:
     """GpuBackend over a simulated node directory (see create_inventory)."""
 
-    method = METHOD
-
     def __init__(self, root: Path | str, scrub_on_free_disabled: bool | None = True) -> None:
         self.root = Path(root)
         # Simulated memory is never scrubbed by a "driver": report what a node with scrub-on-free
