@@ -1,8 +1,8 @@
 """The node agent: sees allocations on its node, fences them, and tears them down when they are released.
 
 Inputs: this node's pods (list + watch, field selector `spec.nodeName`), their claims (by name), this node's
-claims (list + watch, label selector `scrubgate.dev/node=<node>`: the agent labels a claim at first sight, and
-scrubgate's controller labels those allocated here while no agent looked, whose pods may be long gone: the
+claims (list + watch, label selector `scrubgate.dev/node=<node>`: the agent labels a claim with its first annotation
+write of it, and scrubgate's controller labels those allocated here while no agent looked, whose pods may be long gone: the
 webhook keeps a GPU claim allocated until its scrub is attested), this node's ResourceSlices (to map DRA
 devices to GPU UUIDs), NVIDIA's driver checkpoint (claims prepared while the agent was away), the
 agent's own checkpoint, and operator rescrub requests. Everything that
@@ -383,7 +383,7 @@ class Agent:
         fenced in a few API round trips, not one claim after the other."""
         if self._sight_pool is not None:
             unseen = {
-                (namespace, name): None
+                (namespace, name): (pod.get("metadata") or {}).get("resourceVersion") or ""
                 for kind, payload in batch
                 for pod in (
                     payload if kind == "POD-LIST" else [payload[1]] if kind == "POD" and payload[0] != "DELETED" else []
@@ -394,7 +394,7 @@ class Agent:
                 if self.intake.find(namespace, name) is None
             }
             if len(unseen) > 1:
-                list(self._sight_pool.map(lambda key: self.intake.first_sight(*key), unseen))
+                list(self._sight_pool.map(lambda key: self.intake.first_sight(*key, unseen[key]), unseen))
         for item in batch:
             self._handle(item)
 

@@ -19,6 +19,7 @@ from scrubgate.policies.attestation import (
     claimed_devices,
     is_ended_pod,
 )
+from scrubgate.policies.release_guard import claim_nodes
 
 from .checkpoint import CheckpointStore, Teardown
 from .claims import (
@@ -29,6 +30,7 @@ from .claims import (
     hold_release_ops,
     node_event,
     node_hold,
+    node_label_ops,
 )
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
 from .signing import Signer
@@ -201,7 +203,7 @@ class ClaimWriter:
                 if all(current.get(k) == v for k, v in updates.items()):
                     self._claims[td.claim.uid] = claim
                     return True
-            ops = annotation_ops(claim, updates)
+            ops = annotation_ops(claim, updates) + self._label_ops(claim)
             releasing = (
                 release
                 and _outlives_the_write(claim)
@@ -232,6 +234,16 @@ class ClaimWriter:
                 )
                 return self.write(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
+
+    def _label_ops(self, claim: dict[str, Any]) -> list[dict[str, Any]]:
+        """The node label (`scrubgate.dev/node`, by which this agent lists and watches its claims) where a claim
+        allocated on this node lacks it. It goes with the first annotation write (the record of an allocation that
+        lasts, or the attestation of one released sooner) instead of a write of its own: until then the
+        checkpoint and the pod watch lead the agent to the claim, and scrubgate's controller labels a claim that
+        no agent labelled within its --label-after."""
+        if self.node not in claim_nodes(claim):
+            return []
+        return node_label_ops(claim, self.node) or []
 
     def write_status(self, td: Teardown, status: str) -> None:
         """Sets the claim's scrub-status (cut to STATUS_MAX)."""

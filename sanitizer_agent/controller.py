@@ -1,7 +1,8 @@
 """scrubgate's controller: the one cluster-wide view of ResourceClaims, so that no node agent needs one.
 
 Each node agent lists and watches only the claims labelled with its node (`scrubgate.dev/node`; claims cannot be
-field-selected by node), and labels a GPU claim of its node itself at first sight. The controller (a Deployment,
+field-selected by node), and labels a GPU claim of its node itself with its first annotation write of it (the
+record of an allocation that lasts, or the attestation). The controller (a Deployment,
 leader-elected on a coordination.k8s.io Lease, so that one replica acts) holds one informer over every claim and:
 
 - labels with its node a GPU claim allocated there that no agent labelled within `label_after_s` (the node's agent
@@ -51,8 +52,9 @@ class ClaimClient(Protocol):
 @dataclass(frozen=True)
 class ControllerSettings:
     gpu_drivers: tuple[str, ...] = ("gpu.nvidia.com",)
-    # The node's agent labels a claim at first sight, moments after its allocation: the controller writes only where
-    # it has not by then, so that the normal path costs no second write of the claim.
+    # The node's agent labels a claim with its first annotation write, within seconds of its allocation (the record,
+    # 2 s; the attestation of one released sooner): the controller writes only where it has not by then, so that
+    # the normal path costs no second write of the claim.
     label_after_s: float = 10.0
     backoff: Backoff = field(default_factory=Backoff)
     # /healthz fails when the informer has had no good list or watch for this long.

@@ -128,8 +128,10 @@ class Intake:
                     continue
             elif allocated:
                 continue
+            # From the watch cache, as of this event or later: no read of etcd. The claim was allocated before the
+            # pod was bound, and what a look decides from here on rests on a quorum read (release.py).
             try:
-                claim = self.cluster.get_claim(namespace, name)
+                claim = self.cluster.get_claim(namespace, name, not_older_than=meta.get("resourceVersion") or "")
             except ClusterError as exc:
                 log.warning("cannot get claim %s/%s of pod %s: %s; the next resync retries", namespace, name, uid, exc)
                 self.view.look_again_at_end(uid, name)
@@ -155,10 +157,11 @@ class Intake:
             self.observe_pod("SYNC", pod)
         return bool(vanished)
 
-    def first_sight(self, namespace: str, name: str) -> None:
-        """What `observe_pod` does for a running pod's claim that the agent has not seen."""
+    def first_sight(self, namespace: str, name: str, pod_version: str) -> None:
+        """What `observe_pod` does for a running pod's claim that the agent has not seen, given the resourceVersion
+        of the pod as seen (`pod_version`)."""
         try:
-            claim = self.cluster.get_claim(namespace, name)
+            claim = self.cluster.get_claim(namespace, name, not_older_than=pod_version)
         except ClusterError:
             return  # the event's own handling asks again
         if claim is not None:

@@ -61,8 +61,10 @@ class ClusterClient(Protocol):
         Raises ClusterError with status 410 when the version is too old (list again)."""
         ...
 
-    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The ResourceClaim, or None when it does not exist."""
+    def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> dict[str, Any] | None:
+        """The ResourceClaim, or None when it does not exist. Read from etcd (a quorum read), or, given
+        `not_older_than` (the resourceVersion of an event that came after what the caller must see, such as the
+        binding of a pod that uses the claim), from the API server's watch cache, as of that version or later."""
         ...
 
     def list_node_claims(self, node: str) -> tuple[list[dict[str, Any]], str]:
@@ -320,9 +322,20 @@ class KubernetesClusterClient:
         finally:
             response.release_conn()
 
-    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> dict[str, Any] | None:
+        path = self._claims_path(namespace, name)
         try:
-            return self._call("GET", self._claims_path(namespace, name))
+            if not_older_than:
+                # Served from the watch cache, which kube-apiserver guarantees at least as fresh as the version
+                # (k8s.io/apiserver CacheDelegator.Get). One that cannot catch up within its wait answers 504 (Too
+                # large resource version): etcd answers then, as it does where no version is given.
+                try:
+                    return self._send("GET", path, query=[("resourceVersion", not_older_than)])
+                except NotFound:
+                    raise
+                except ClusterError as exc:
+                    log.info("GET %s from the watch cache failed (%s); reading it from etcd", path, exc)
+            return self._call("GET", path)
         except NotFound:
             return None
 

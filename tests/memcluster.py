@@ -150,8 +150,9 @@ class InMemoryCluster:
         self._call("watch_all_claims", resource_version)
         return self._watch(self._claim_watchers, self._lock, timeout_s, lambda claim: True)
 
-    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self._call("get_claim", namespace, name)
+    def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> dict[str, Any] | None:
+        """Always the latest (what a quorum read gets, and the watch cache once it reached `not_older_than`)."""
+        self._call("get_claim", namespace, name, not_older_than)
         with self._lock:
             claim = self.claims.get((namespace, name))
             return copy.deepcopy(claim) if claim else None

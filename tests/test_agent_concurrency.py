@@ -343,10 +343,10 @@ def test_a_burst_of_allocations_is_read_side_by_side(node):
         def __getattr__(self, name: str) -> Any:
             return getattr(node.cluster, name)
 
-        def get_claim(self, namespace: str, name: str) -> Any:
+        def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> Any:
             if name in ("a", "b"):
                 both.wait()  # two first sights at once, or the barrier breaks
-            return node.cluster.get_claim(namespace, name)
+            return node.cluster.get_claim(namespace, name, not_older_than)
 
     scrubs = GatedScrubs(node.backend())
     agent = concurrent_agent(node, workers=2, cluster=Api(), backend=scrubs)
@@ -364,6 +364,34 @@ def test_a_burst_of_allocations_is_read_side_by_side(node):
         agent.close()
     assert [claim_status(node, name) for name in ("a", "b")] == [names.SCRUB_FENCED] * 2
     assert node.clean(0) and node.violations.found == []
+
+
+def test_a_first_sight_reads_the_claim_as_of_its_pods_event(node):
+    """A claim the agent has not seen, found on a pod of its node, is read as of that pod's resourceVersion (from
+    the API server's watch cache, which it keeps at least that fresh): no read of etcd per allocation, in a burst
+    (side by side) or alone."""
+    reads: list[tuple[str, str]] = []
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(node.cluster, name)
+
+        def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> Any:
+            reads.append((name, not_older_than))
+            return node.cluster.get_claim(namespace, name, not_older_than)
+
+    agent = concurrent_agent(node, workers=2, cluster=Api())
+    agent.start()
+    try:
+        pods = [node.tenant(name, [i])[1] for name, i in (("a", 1), ("b", 2), ("c", 3))]
+        agent.observe_batch([("POD", ("ADDED", pod)) for pod in pods[:2]])
+        agent.observe_batch([("POD", ("ADDED", pods[2]))])
+        settle(node, agent)
+        assert {td.claim.name for td in agent.store.teardowns.values()} == {"a", "b", "c"}
+    finally:
+        agent.close()
+    versions = [pod["metadata"]["resourceVersion"] for pod in pods]
+    assert all(versions) and sorted(reads) == sorted(zip(("a", "b", "c"), versions, strict=True))
 
 
 def test_the_fences_of_one_claims_devices_go_up_and_down_at_once(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import re
 import threading
 import urllib.request
 
@@ -357,6 +359,41 @@ def test_real_client_whole_teardown_against_the_api_server(tmp_path):
             stop.set()
             http.shutdown()
             runner.join(timeout=10)
+
+
+def test_real_client_reads_a_claim_as_of_a_version_from_the_watch_cache(tmp_path, caplog):
+    """get_claim with `not_older_than` (what the agent passes at first sight: its pod's resourceVersion):
+    kube-apiserver answers from its watch cache, with no read of etcd, and with the claim at least as of that
+    version; a version it cannot reach in time (504) is read from etcd instead; a claim that is not there is None."""
+    node = make_node(tmp_path)
+    with api_server(tmp_path) as plane:
+        api = plane.admin_client()
+        cluster = KubernetesClusterClient(api)
+        claim = seed_api(node, cluster, client.CoreV1Api(api))
+        patched = cluster.patch_claim("team-a", "train", claims.annotation_ops(claim, {"example.com/seen": "yes"}))
+        version = patched["metadata"]["resourceVersion"]
+
+        def etcd_reads() -> int:
+            text = api.call_api(*api.param_serialize("GET", "/metrics")).read().decode()
+            found = re.search(
+                r'^etcd_requests_total\{group="resource.k8s.io",operation="get",resource="resourceclaims"\} (\d+)',
+                text,
+                re.MULTILINE,
+            )
+            return int(found.group(1)) if found else 0
+
+        before = etcd_reads()
+        for _ in range(5):
+            read = cluster.get_claim("team-a", "train", not_older_than=version)
+            assert read["metadata"]["annotations"]["example.com/seen"] == "yes", "as of the version or later"
+        assert cluster.get_claim("team-a", "absent", not_older_than=version) is None
+        assert etcd_reads() == before, "the watch cache answered"
+        assert cluster.get_claim("team-a", "train")["metadata"]["resourceVersion"] == version
+        assert etcd_reads() == before + 1, "a read without a version goes to etcd"
+        with caplog.at_level(logging.INFO):
+            ahead = cluster.get_claim("team-a", "train", not_older_than=str(int(version) + 10**9))
+        assert ahead["metadata"]["resourceVersion"] == version and "reading it from etcd" in caplog.text
+        assert etcd_reads() == before + 2
 
 
 def test_real_client_finds_a_claim_whose_pod_ended_while_the_agent_was_down(tmp_path):

@@ -74,12 +74,13 @@ def test_an_extended_resource_claim_is_recorded_from_the_pod_event_and_scrubbed(
 
 
 def test_a_gpu_claim_without_the_finalizer_gets_it_and_a_warning(tmp_path):
-    """A class per GPU model (`h100-80gb`, selecting gpu.nvidia.com's devices) outside gpuDeviceClasses: the
-    webhook added no finalizer. The ResourceSlice says the device is a GPU, so the agent adds it."""
+    """A claim of class `h100-80gb` (selecting gpu.nvidia.com's devices) created while the webhook was not called
+    (down under failurePolicy Ignore, say): no finalizer. The ResourceSlice says the device is a GPU, so the agent
+    adds it, and the node label, and tells the operator what to check."""
     node = make_node(tmp_path)
     agent = node.agent()
     agent.start()
-    claim = node.cluster.add_claim("team-a", "model", [node.key(0)], finalizer=False)
+    claim = node.cluster.add_claim("team-a", "model", [node.key(0)], finalizer=False, labelled=False)
     node.cluster.claims[("team-a", "model")]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = (
         "h100-80gb"
     )
@@ -87,10 +88,11 @@ def test_a_gpu_claim_without_the_finalizer_gets_it_and_a_warning(tmp_path):
     agent.observe_pod("ADDED", pod)
     stored = node.cluster.claims[("team-a", "model")]
     assert names.FINALIZER in stored["metadata"]["finalizers"]
+    assert stored["metadata"]["labels"] == {names.LABEL_NODE: NODE}
     (event,) = [e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]
     assert event["type"] == "Warning"
     assert event["involvedObject"]["name"] == "model" and event["involvedObject"]["uid"] == claim["metadata"]["uid"]
-    assert "h100-80gb" in event["message"] and "gpuDeviceClasses" in event["message"]
+    assert "h100-80gb" in event["message"] and "failurePolicy Ignore" in event["message"]
     agent.resync()
     assert len([e for e in node.cluster.events if e["reason"] == "MissingScrubFinalizer"]) == 1, "once"
 

@@ -227,6 +227,40 @@ def test_the_record_of_an_allocation_waits_until_it_has_lasted_a_while(tmp_path)
     assert node.violations.found == []
 
 
+def test_the_node_label_goes_with_the_first_annotation_write(tmp_path):
+    """The agent lists and watches its claims by their node label: it writes the label with the record of an
+    allocation that lasts, or with the attestation of one released sooner, never in a claim write of its own."""
+    node = make_node(tmp_path)
+    node.settings = TeardownSettings(drain_timeout_s=5.0, record_after_s=2.0)
+    agent = node.agent()
+    agent.start()
+
+    def label(name: str) -> str | None:
+        return (node.cluster.claims[("team-a", name)]["metadata"].get("labels") or {}).get(names.LABEL_NODE)
+
+    pods = {}
+    for name, i in (("short", 0), ("long", 1)):
+        node.cluster.add_claim("team-a", name, [node.key(i)], labelled=False)
+        pods[name] = node.cluster.add_pod("team-a", f"{name}-pod", NODE, [name])
+        agent.observe_pod("ADDED", pods[name])
+    agent.tick()
+    assert {td.claim.name for td in agent.store.teardowns.values()} == {"short", "long"}
+    assert node.cluster.calls.count("patch_claim") == 0 and label("short") is None and label("long") is None
+
+    agent.observe_pod("MODIFIED", node.finish(pods["short"], controller=False))
+    node.settle(agent)
+    assert node.cluster.calls.count("patch_claim") == 1, "the attestation, the record and the label in one write"
+    assert label("short") == NODE and names.ANNOTATION_ATTESTATION in claim_annotations(node, "short")
+
+    node.clock.advance(2.0)
+    agent.tick()
+    assert node.cluster.calls.count("patch_claim") == 2, "the record and the label in one write"
+    assert (
+        label("long") == NODE and claim_annotations(node, "long")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
+    )
+    assert node.violations.found == []
+
+
 def test_the_oldest_release_still_under_way_is_exported(tmp_path):
     """scrubgate_agent_oldest_release_seconds: a long job is not a stuck teardown (0 while the claim is
     allocated, fenced or not); a teardown that does not end after its release is, and the gauge says how long."""

@@ -40,7 +40,7 @@ def test_a_gpu_claim_no_agent_labelled_gets_its_nodes_label_after_a_while():
     cluster.add_claim("team-a", "nic", [(OTHER_DRIVER, NODE, "nic-0")], labelled=False)
     found = controller(cluster, clock)
     found.act()
-    assert label(cluster, "gpu") is None, "its agent labels it at first sight: no second write meanwhile"
+    assert label(cluster, "gpu") is None, "its agent labels it soon: no second write meanwhile"
     clock.now += 10
     assert found.act() == 10.0, "nothing else due"
     assert label(cluster, "gpu") == NODE
@@ -52,7 +52,7 @@ def test_a_claim_its_agent_labelled_in_time_costs_the_controller_no_write():
     cluster, clock = InMemoryCluster(), Clock()
     cluster.add_claim("team-a", "gpu", [("gpu.nvidia.com", NODE, "gpu-0")], labelled=False)
     found = controller(cluster, clock)
-    cluster.claims[("team-a", "gpu")]["metadata"]["labels"] = {names.LABEL_NODE: NODE}  # the agent's first sight
+    cluster.claims[("team-a", "gpu")]["metadata"]["labels"] = {names.LABEL_NODE: NODE}  # the agent's first write of it
     found.observe("MODIFIED", cluster.claims[("team-a", "gpu")])
     clock.now += 60
     found.act()
