@@ -64,8 +64,9 @@ def controller_argv(paths: Paths, namespace: str, metrics_port: int) -> list[str
         "--namespace": namespace,  # its Lease's
         "--identity": "devcluster",
         "--policy": paths.policy,
-        # A GPU claim no agent labelled within 2 s: the tests stop agents and wait for the label.
-        "--label-after": 2,
+        # A GPU claim no agent labelled within 5 s (the tests stop agents and wait for the label): past the agent's
+        # --record-after (2 s), whose write carries the label, as 10 s is in production.
+        "--label-after": 5,
         "--metrics-address": "127.0.0.1",
         "--metrics-port": metrics_port,
     }
