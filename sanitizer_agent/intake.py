@@ -177,7 +177,7 @@ class Intake:
         quorum read or a resourceVersion-tested write; and the webhook keeps a used claim allocated until its
         scrub is attested, so a late look loses nothing."""
         known = list(self.store.teardowns.values())
-        self.view.listed(claims)
+        self.view.listed(claims, self.node, {td.claim.uid for td in known})
         self._sync(claims)
         for td in known:
             self.releases.check(td)

@@ -9,7 +9,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from scrubgate.policies import names
+
 Claim = dict[str, Any]
+
+
+def _node_label(claim: Claim) -> str | None:
+    return ((claim.get("metadata") or {}).get("labels") or {}).get(names.LABEL_NODE)
 
 
 @dataclass
@@ -62,10 +68,13 @@ class NodeView:
         with self.lock:
             self.seen.pop(claim_uid, None)
 
-    def listed(self, claims: list[Claim]) -> None:
-        """A full list of this node's claims: what it holds is all there is, as of the list."""
+    def listed(self, claims: list[Claim], node: str, tracked: set[str]) -> None:
+        """A full list of this node's claims, those labelled with it: what it holds is all there is of them, as of
+        the list. A claim the agent tracks (`tracked`) but has not labelled yet (the label goes with its first
+        annotation write) is not in it: kept as last seen, so that the next look needs no read of it."""
         with self.lock:
-            self.seen = {uid: c for c in claims if (uid := (c.get("metadata") or {}).get("uid"))}
+            kept = {uid: c for uid, c in self.seen.items() if uid in tracked and _node_label(c) != node}
+            self.seen = kept | {uid: c for c in claims if (uid := (c.get("metadata") or {}).get("uid"))}
 
     def prune(self, cutoff: float) -> None:
         """Forgets ends and releases older than `cutoff`."""

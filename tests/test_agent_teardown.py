@@ -261,6 +261,30 @@ def test_the_node_label_goes_with_the_first_annotation_write(tmp_path):
     assert node.violations.found == []
 
 
+def test_a_resync_reads_no_claim_the_agent_follows_before_labelling_it(tmp_path):
+    """The node's list shows only labelled claims: one the agent follows but has not labelled yet stays in its view,
+    so a resync's look at it reads nothing (no quorum GET per claim per resync), and its release still rests on a
+    read of the claim as it is now."""
+    node = make_node(tmp_path)
+    node.settings = TeardownSettings(drain_timeout_s=5.0, record_after_s=60.0)
+    agent = node.agent()
+    agent.start()
+    node.cluster.add_claim("team-a", "job", [node.key(0)], labelled=False)
+    pod = node.cluster.add_pod("team-a", "job-pod", NODE, ["job"])
+    agent.observe_pod("ADDED", pod)
+    agent.tick()
+    reads = node.cluster.calls.count("get_claim")
+    for _ in range(3):
+        agent.resync()
+        agent.tick()
+    assert node.cluster.calls.count("get_claim") == reads
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert node.cluster.calls.count("get_claim") == reads + 1, "the release, decided on a read of the claim"
+    assert names.ANNOTATION_ATTESTATION in claim_annotations(node, "job") and node.clean(0)
+    assert node.violations.found == []
+
+
 def test_the_oldest_release_still_under_way_is_exported(tmp_path):
     """scrubgate_agent_oldest_release_seconds: a long job is not a stuck teardown (0 while the claim is
     allocated, fenced or not); a teardown that does not end after its release is, and the gauge says how long."""
