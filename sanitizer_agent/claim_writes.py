@@ -19,7 +19,6 @@ from scrubgate.policies.attestation import (
     claimed_devices,
     is_ended_pod,
 )
-from scrubgate.policies.release_guard import claim_nodes
 
 from .checkpoint import CheckpointStore, Teardown
 from .claims import (
@@ -30,7 +29,7 @@ from .claims import (
     hold_release_ops,
     node_event,
     node_hold,
-    node_label_ops,
+    own_node_label_ops,
 )
 from .kube import ClusterClient, ClusterError, Conflict, NotFound
 from .signing import Signer
@@ -203,7 +202,11 @@ class ClaimWriter:
                 if all(current.get(k) == v for k, v in updates.items()):
                     self._claims[td.claim.uid] = claim
                     return True
-            ops = annotation_ops(claim, updates) + self._label_ops(claim)
+            # The node label (by which this agent lists and watches its claims) goes with the first annotation
+            # write (the record of an allocation that lasts, or the attestation of one released sooner) instead of
+            # a write of its own: until then the checkpoint and the pod watch lead the agent to the claim, and
+            # scrubgate's controller labels a claim that no agent labelled within its --label-after.
+            ops = annotation_ops(claim, updates) + (own_node_label_ops(claim, self.node) or [])
             releasing = (
                 release
                 and _outlives_the_write(claim)
@@ -234,16 +237,6 @@ class ClaimWriter:
                 )
                 return self.write(td, updates)
         raise Conflict(f"claim {td.claim} kept changing while the agent annotated it; will retry", 409)
-
-    def _label_ops(self, claim: dict[str, Any]) -> list[dict[str, Any]]:
-        """The node label (`scrubgate.dev/node`, by which this agent lists and watches its claims) where a claim
-        allocated on this node lacks it. It goes with the first annotation write (the record of an allocation that
-        lasts, or the attestation of one released sooner) instead of a write of its own: until then the
-        checkpoint and the pod watch lead the agent to the claim, and scrubgate's controller labels a claim that
-        no agent labelled within its --label-after."""
-        if self.node not in claim_nodes(claim):
-            return []
-        return node_label_ops(claim, self.node) or []
 
     def write_status(self, td: Teardown, status: str) -> None:
         """Sets the claim's scrub-status (cut to STATUS_MAX)."""
@@ -387,7 +380,7 @@ def record_event(
         )
         cluster.create_event(namespace, event)
     except ClusterError as exc:
-        log.warning("could not record Warning event %s for claim %s: %s", reason, td.claim, exc)
+        log.warning("could not record %s event %s for claim %s: %s", kind, reason, td.claim, exc)
 
 
 def attestation_problem(

@@ -11,6 +11,7 @@ from typing import Any
 
 from scrubgate.policies import names
 from scrubgate.policies.attestation import is_ended_pod_record
+from scrubgate.policies.release_guard import claim_nodes
 
 from .gpu.base import MigPlacement
 from .partitions import Partition, partition_of, placement_of
@@ -358,6 +359,12 @@ def node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | N
     if isinstance(labels, dict):
         return [*ops, {"op": "add", "path": f"/metadata/labels/{_escape(names.LABEL_NODE)}", "value": node}]
     return [*ops, *added_whole("/metadata/labels", {names.LABEL_NODE: node})]
+
+
+def own_node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
+    """`node_label_ops` where the claim's allocation is on `node`, as an agent writes it (SG007 lets an agent label
+    only a claim allocated on its own node: a label in any other write would have admission refuse that write)."""
+    return node_label_ops(claim, node) if node in claim_nodes(claim) else None
 
 
 def _escape(key: str) -> str:

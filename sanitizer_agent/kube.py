@@ -324,18 +324,22 @@ class KubernetesClusterClient:
 
     def get_claim(self, namespace: str, name: str, not_older_than: str = "") -> dict[str, Any] | None:
         path = self._claims_path(namespace, name)
-        try:
+
+        def read() -> dict[str, Any]:
             if not_older_than:
                 # Served from the watch cache, which kube-apiserver guarantees at least as fresh as the version
                 # (k8s.io/apiserver CacheDelegator.Get). One that cannot catch up within its wait answers 504 (Too
                 # large resource version): etcd answers then, as it does where no version is given.
                 try:
                     return self._send("GET", path, query=[("resourceVersion", not_older_than)])
-                except NotFound:
-                    raise
                 except ClusterError as exc:
+                    if exc.status != 504:
+                        raise
                     log.info("GET %s from the watch cache failed (%s); reading it from etcd", path, exc)
-            return self._call("GET", path)
+            return self._send("GET", path)
+
+        try:
+            return with_retries(f"GET {path}", read)
         except NotFound:
             return None
 

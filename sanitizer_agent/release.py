@@ -23,7 +23,7 @@ from .kube import ClusterClient
 from .metrics import AgentMetrics
 from .node_view import NodeView
 from .teardown import TeardownEngine
-from .unguarded import mark_claim
+from .unguarded import add_missing_finalizer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ReleaseChecks:
             return
         claim, cached = self._claim_of(td)
         if claim is not None and (claim.get("metadata") or {}).get("uid") == td.claim.uid:
-            mark_claim(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
+            add_missing_finalizer(self.cluster, self.node, claim, [d.key for d in td.devices], self.clock())
         reason = self._release_reason(claim, td)
         if reason and cached:
             # A release starts the drain and the scrub: decided on the claim as it is now (a quorum read), never

@@ -13,7 +13,7 @@ from typing import Any
 from scrubgate.policies import names
 from scrubgate.policies.model import device_requests
 
-from .claims import finalizer_addition_ops, node_event, node_label_ops
+from .claims import finalizer_addition_ops, node_event, own_node_label_ops
 from .kube import ClusterClient, ClusterError, Conflict
 
 log = logging.getLogger(__name__)
@@ -27,28 +27,29 @@ def _classes(claim: dict[str, Any]) -> list[str]:
 
 def _ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | None:
     finalizer = finalizer_addition_ops(claim)
-    return None if finalizer is None else [*finalizer, *(node_label_ops(claim, node) or [])]
+    return None if finalizer is None else [*finalizer, *(own_node_label_ops(claim, node) or [])]
 
 
-def mark_claim(cluster: ClusterClient, node: str, claim: dict[str, Any], devices: list[str], now: float) -> bool:
+def add_missing_finalizer(
+    cluster: ClusterClient, node: str, claim: dict[str, Any], devices: list[str], now: float
+) -> None:
     """Adds the finalizer to `claim`, which holds the GPUs `devices` of this node, where it has none, in one write
-    with the node label, and a Warning Event on it; returns whether the finalizer was added. False too when the
-    write failed (the next look at the claim retries)."""
+    with the node label, and a Warning Event on it. A failed write is retried at the next look at the claim."""
     meta = claim.get("metadata") or {}
     namespace, name = meta.get("namespace") or "", meta.get("name") or ""
     ops = _ops(claim, node)
     if ops is None:
-        return False
+        return
     try:
         try:
             claim = cluster.patch_claim(namespace, name, ops)
         except Conflict:  # our own annotation write since the read, most often: read it again, once
             fresh = cluster.get_claim(namespace, name)
             if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
-                return False
+                return
             ops = _ops(fresh, node)
             if ops is None:
-                return False
+                return
             claim = cluster.patch_claim(namespace, name, ops)
     except ClusterError as exc:
         log.warning(
@@ -61,7 +62,7 @@ def mark_claim(cluster: ClusterClient, node: str, claim: dict[str, Any], devices
             names.FINALIZER,
             exc,
         )
-        return False
+        return
     classes = ", ".join(_classes(claim)) or "(none named)"
     message = (
         f"claim {namespace}/{name} holds GPU {', '.join(devices)} but had no {names.FINALIZER} finalizer; the scrubgate "
@@ -85,4 +86,3 @@ def mark_claim(cluster: ClusterClient, node: str, claim: dict[str, Any], devices
         )
     except ClusterError as exc:
         log.warning("could not record Warning event %s for claim %s/%s: %s", REASON, namespace, name, exc)
-    return True

@@ -136,6 +136,16 @@ def test_annotation_and_label_ops_never_drop_a_concurrent_writers_key():
         kube_json_patch.apply_patch({"metadata": {"uid": "u", "labels": {"team": "a"}}}, label)
 
 
+def test_the_agent_labels_only_a_claim_allocated_on_its_node():
+    """SG007 refuses an agent's label on a claim not allocated on its node, and with it the whole write it rides in
+    (the attestation, a missing finalizer): the agent adds it only where the allocation is on its node."""
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}
+    allocated = {"metadata": {"uid": "u"}, "status": {"allocation": {"devices": {"results": [result]}}}}
+    assert claims.own_node_label_ops(allocated, NODE) == claims.node_label_ops(allocated, NODE) is not None
+    assert claims.own_node_label_ops(allocated, "gpu-node-2") is None
+    assert claims.own_node_label_ops({"metadata": {"uid": "u"}}, NODE) is None, "deallocated"
+
+
 def test_the_finalizers_removal_rests_on_the_allocation_not_on_other_writes():
     reserved = [{"resource": "pods", "name": "p", "uid": "pod-1"}]
     claim = {

@@ -98,15 +98,17 @@ def test_an_unused_connection_of_the_api_server_stays_open_past_the_read_deadlin
 def test_a_review_after_a_pause_has_the_whole_read_deadline(tmp_path: Path):
     """On a kept-alive connection of the API server, a review that comes after a pause longer than the read deadline
     and arrives in more than one read is not cut halfway: its deadline runs from its first byte."""
-    with serving_api_server_only(tmp_path, read_timeout_s=0.5) as running:
+    # A deadline of 1 s, swept every 0.25 s: the second half comes 0.5 s after the first (two sweeps), so a machine
+    # busy for half a second does not cut it either.
+    with serving_api_server_only(tmp_path, read_timeout_s=1.0) as running:
         context = ssl.create_default_context(cafile=str(running.ca_file))
         context.load_cert_chain(*running.api_server_cert)
         raw = socket.create_connection(("127.0.0.1", running.port), timeout=5)
         with context.wrap_socket(raw, server_hostname="scrubgate-webhook.scrubgate-system.svc") as api_server:
             assert answered(api_server, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
-            time.sleep(1.0)  # two read deadlines, well within the keep-alive
+            time.sleep(2.5)  # past two read deadlines, well within the keep-alive
             api_server.sendall(b"GET /readyz HTTP/1.1\r\n")
-            time.sleep(0.25)  # two sweeps of the deadline while the request is half in
+            time.sleep(0.5)  # two sweeps of the deadline while the request is half in
             assert answered(api_server, b"Host: x\r\n\r\n"), "cut halfway: the API server's review would get EOF"
 
 
