@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 FINISHED_POD_MEMORY_S = 3600.0
 RESCRUB_POLL_S = 1.0  # how often a failed device waiting for an operator looks for a rescrub request
+# A teardown whose lane is at work is looked at again this soon, not at once: what it owes now (a record due,
+# say) is in the lane already, and a loop that waited 0 s would spin on it until the lane is done.
+LANE_POLL_S = 0.05
 
 
 def api_connections(max_concurrent_teardowns: int) -> int:
@@ -244,7 +247,9 @@ class Agent:
         due = [self.settings.resync_s]
         for td in self._teardowns():
             retry_at = self.steps.retry_at(td.claim.uid)
-            if retry_at is not None and retry_at > now:
+            if self._lanes is not None and self._lanes.busy(td.claim.uid):
+                due.append(LANE_POLL_S)
+            elif retry_at is not None and retry_at > now:
                 due.append(retry_at - now)  # nothing happens to it before then
             elif td.state == State.DRAINING:
                 due.append(self.settings.drain_poll_s)

@@ -264,16 +264,13 @@ class ClaimWriter:
         )
 
     def announce(self, td: Teardown, status: str) -> None:
-        """Best-effort progress annotation: an API hiccup must not hold up a scrub. The first one carries the
-        record of the claim's devices."""
+        """Sets the claim's scrub-status, once per status; the first write carries the record of the claim's
+        devices. An API error is raised: the record's step backs off (steps.py), a scrub's progress goes on."""
         if self._status.get(td.claim.uid) == status:
             return
         record = {} if td.claim.uid in self._status else {names.ANNOTATION_DEVICES: _devices_annotation(td)}
-        try:
-            self.write(td, {**record, names.ANNOTATION_SCRUB_STATUS: status})
-            self._status[td.claim.uid] = status
-        except ClusterError as exc:
-            log.warning("claim %s: could not set %s=%s: %s", td.claim, names.ANNOTATION_SCRUB_STATUS, status, exc)
+        self.write(td, {**record, names.ANNOTATION_SCRUB_STATUS: status})
+        self._status[td.claim.uid] = status
 
     def publish_attestation(self, td: Teardown) -> None:
         """Puts the attestation on the claim, `verified`, and with it where it can the release of the finalizer;

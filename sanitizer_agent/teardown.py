@@ -47,7 +47,7 @@ from .fence_decisions import FenceDecisions, overlap_records, unheld_overlaps
 from .fences import Fencer, label_value, rule_name
 from .gpu import GpuBackend
 from .gpu_steps import GpuSteps, StepFailed
-from .kube import ClusterClient
+from .kube import ClusterClient, ClusterError
 from .metrics import AgentMetrics
 from .signing import Signer, attestation_payload
 from .watchdog import Watchdog, unless_done_within
@@ -341,9 +341,13 @@ class TeardownEngine:
         }
 
     def _stays_in(self, td: Teardown, status: str) -> None:
-        """The teardown stays a while in its state: written to the checkpoint, and announced on the claim."""
+        """The teardown stays a while in its state: written to the checkpoint, and announced on the claim (best
+        effort: an API hiccup must not hold up a drain or a scrub)."""
         self._write_if_unwritten(td)
-        self.claim_writer.announce(td, status)
+        try:
+            self.claim_writer.announce(td, status)
+        except ClusterError as exc:
+            log.warning("claim %s: could not set %s=%s: %s", td.claim, names.ANNOTATION_SCRUB_STATUS, status, exc)
 
     # ---------------------------------------------------------------- the steps: side effect, then what next
 
@@ -351,7 +355,8 @@ class TeardownEngine:
         # The hold first, at once: a pod on this node may use the claim from now on.
         self.claim_writer.ensure_hold(td)
         # The record of its devices, which SG007 reads once the allocation is gone, and `fenced`: kept from
-        # other claims (by the allocation, or where it cannot, by fences). Once the allocation has lasted a while.
+        # other claims (by the allocation, or where it cannot, by fences). Once the allocation has lasted a while;
+        # where the write fails, this step backs off (steps.py) instead of trying again at every tick.
         record_due = self.record_due(td)
         if record_due is not None and record_due <= 0:
             self.claim_writer.announce(td, names.SCRUB_FENCED)

@@ -20,12 +20,12 @@ from agent_support import (
     restart_and_finish,
 )
 from scrubgate.policies import names
-from scrubgate.sanitizer_agent.agent import Agent
+from scrubgate.sanitizer_agent.agent import LANE_POLL_S, Agent
 from scrubgate.sanitizer_agent.checkpoint import CheckpointStore, ClaimRef, State, Teardown
 from scrubgate.sanitizer_agent.cli import add_arguments
 from scrubgate.sanitizer_agent.gpu import simulated
 from scrubgate.sanitizer_agent.lanes import Lanes
-from scrubgate.sanitizer_agent.teardown import ANNOUNCE_SCRUBBING_AFTER_S
+from scrubgate.sanitizer_agent.teardown import ANNOUNCE_SCRUBBING_AFTER_S, TeardownSettings
 
 WAIT_S = 10.0
 
@@ -81,6 +81,39 @@ def started(scrubs: GatedScrubs, count: int) -> bool:
 @pytest.fixture
 def node(tmp_path) -> GpuNode:
     return make_node(tmp_path, gpus=4)
+
+
+def test_the_loop_does_not_spin_on_work_already_in_a_lane(node):
+    """A record due while its claim's lane is writing it: the loop looks again after LANE_POLL_S, not at once. It
+    used to wait 0 s and tick at full speed for as long as the lane worked (about 1,800 ticks/s under
+    bench/lifecycle.py's load, half of the agent's CPU)."""
+    node.settings = TeardownSettings(drain_timeout_s=5.0, record_after_s=2.0)
+    gate, writing = threading.Event(), threading.Event()
+
+    def on_call(name: str, phase: str) -> None:
+        if name == "patch_claim" and phase == "before":
+            writing.set()
+            assert gate.wait(WAIT_S), "the gate never opened"
+
+    agent = concurrent_agent(node, cluster=Interceptor(node.cluster, on_call))
+    agent.start()
+    try:
+        _, pod = node.tenant("long", [0])
+        agent.observe_pod("ADDED", pod)
+        agent.tick()
+        assert agent.wait_idle(WAIT_S)
+        node.clock.advance(2.0)
+        agent.tick()
+        assert writing.wait(WAIT_S), "the record's write is under way in the claim's lane"
+        assert agent.tick() == LANE_POLL_S > 0
+        gate.set()
+        assert agent.wait_idle(WAIT_S)
+        assert agent.tick() == pytest.approx(agent.settings.resync_s, abs=1), "nothing due but the resync"
+        annotations = node.cluster.claims[("team-a", "long")]["metadata"]["annotations"]
+        assert annotations[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
+    finally:
+        gate.set()
+        agent.close()
 
 
 def test_scrubs_of_different_gpus_run_at_once_and_at_most_as_many_as_configured(node):

@@ -4,11 +4,12 @@ allocations, torn down on release."""
 from __future__ import annotations
 
 import pytest
-from agent_support import CANARY, NODE, claim_annotations, make_node, recorded
+from agent_support import CANARY, NODE, Interceptor, claim_annotations, make_node, recorded
 from scrubgate.policies import names
 from scrubgate.policies.attestation import check_claim_attestation, verify
 from scrubgate.sanitizer_agent.checkpoint import State
 from scrubgate.sanitizer_agent.gpu import simulated
+from scrubgate.sanitizer_agent.kube import ClusterError
 from scrubgate.sanitizer_agent.teardown import TeardownSettings
 
 
@@ -224,6 +225,43 @@ def test_the_record_of_an_allocation_waits_until_it_has_lasted_a_while(tmp_path)
     assert agent.tick() == pytest.approx(agent.settings.resync_s, abs=1), "nothing due but the resync"
     assert claim_annotations(node, "long")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
     assert recorded(node, "long")[0]["device"] == node.device_names[1]
+    assert node.violations.found == []
+
+
+def test_a_record_the_api_server_refuses_is_tried_again_after_a_backoff_not_at_every_tick(tmp_path):
+    """The record of an allocation that lasts is a claim write like any other: where it fails, its step backs off
+    (as every API error does) instead of being tried again at each tick of the loop, which would send the API
+    server a PATCH per tick for as long as the error lasts. Its release is not held up once the backoff is over."""
+    node = make_node(tmp_path)
+    node.settings = TeardownSettings(drain_timeout_s=5.0, record_after_s=2.0)
+    refusing = True
+    attempts = 0
+
+    def on_call(name: str, phase: str) -> None:
+        nonlocal attempts
+        if name == "patch_claim" and phase == "before":
+            attempts += 1
+            if refusing:
+                raise ClusterError("etcdserver: request timed out", 500)
+
+    agent = node.agent(cluster=Interceptor(node.cluster, on_call))
+    agent.start()
+    _, pod = node.tenant("long", [0])
+    agent.observe_pod("ADDED", pod)
+    agent.tick()
+    node.clock.advance(2.0)
+    waits = [agent.tick() for _ in range(5)]
+    assert attempts == 1, "one refused write, then the backoff"
+    assert waits[-1] == pytest.approx(agent.settings.api_backoff_s, abs=0.1), "the loop wakes when the backoff ends"
+    assert names.ANNOTATION_SCRUB_STATUS not in claim_annotations(node, "long")
+
+    refusing = False
+    node.clock.advance(waits[-1])
+    agent.tick()
+    assert attempts == 2 and claim_annotations(node, "long")[names.ANNOTATION_SCRUB_STATUS] == names.SCRUB_FENCED
+    agent.observe_pod("MODIFIED", node.finish(pod, controller=False))
+    node.settle(agent)
+    assert names.ANNOTATION_ATTESTATION in claim_annotations(node, "long") and node.clean(0)
     assert node.violations.found == []
 
 
