@@ -150,9 +150,11 @@ class ControlPlane:
         client_qps: float | None = None,
         audit_policy: Path | None = None,
         ready_timeout: float = 120.0,
+        profiling: bool = False,
     ) -> None:
         self.root = root
         self.audit_policy = audit_policy
+        self.profiling = profiling  # kube-apiserver serves /debug/pprof (bench/apiserver_cpu.py)
         self.client_qps = client_qps
         self.runtime_config = runtime_config
         self.controllers = controllers
@@ -293,6 +295,16 @@ class ControlPlane:
         except (OSError, ValueError) as exc:
             return 0, str(exc)
 
+    def cpu_profile(self, seconds: int) -> bytes:
+        """kube-apiserver's CPU profile over the next `seconds` (pprof's format, gzipped), read as the admin; it
+        serves one only when started with `profiling`."""
+        url = f"{self.url}/debug/pprof/profile?seconds={seconds}"
+        try:
+            with urllib.request.urlopen(url, context=self.ssl_context(), timeout=seconds + 30) as resp:
+                return resp.read()
+        except (OSError, urllib.error.HTTPError) as exc:
+            raise HarnessError(f"kube-apiserver's CPU profile ({url}): {exc}") from exc
+
     def server_version(self) -> dict[str, str]:
         status, body = self.get("/version")
         if status != 200:
@@ -356,7 +368,7 @@ class ControlPlane:
             "--allow-privileged=true",
             f"--runtime-config={runtime}",
             f"--feature-gates={self._feature_gates()}",
-            "--profiling=false",
+            f"--profiling={str(self.profiling).lower()}",
         ]
         if self.admission_config is not None:
             argv.append(f"--admission-control-config-file={self.admission_config}")

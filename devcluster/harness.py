@@ -77,7 +77,8 @@ class Cluster:
     namespaces of ``create_namespace``); ``agent``, the agent's ServiceAccount (a TokenRequest token).
 
     ``nodes`` simulated GPU nodes (``self.nodes``, gpu-node-1, ...), each with ``gpus`` GPUs of ``mig_per_gpu``
-    MIG slices and its own agent. ``audit_policy``: kube-apiserver's audit log by that policy (see ControlPlane).
+    MIG slices and its own agent. ``audit_policy``: kube-apiserver's audit log by that policy (see ControlPlane);
+    ``apiserver_profiling``: kube-apiserver serves /debug/pprof (``control_plane.cpu_profile``).
     The single-node attributes (``node``, ``agent``, ``node_process``, ``gpu_dir``,
     ``gpus()``, ``wait_agent_ready()``, ...) are the first node's.
     """
@@ -100,6 +101,7 @@ class Cluster:
         client_qps: float | None = None,
         helm_set: Iterable[str] = (),
         audit_policy: Path | None = None,
+        apiserver_profiling: bool = False,
     ) -> None:
         self.paths = Paths(Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="scrubgate-devcluster-")))
         self.keep = keep or workdir is not None
@@ -121,6 +123,7 @@ class Cluster:
             client_qps=client_qps,
             audit_policy=audit_policy,
             ready_timeout=ready_timeout,
+            profiling=apiserver_profiling,
         )
         ca_file = self.control_plane.pki.ca_cert
         self.kube = KubeApi(self.control_plane.url, ca_file, self.users, tenants, ready_timeout)
