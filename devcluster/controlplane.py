@@ -302,7 +302,7 @@ class ControlPlane:
         try:
             with urllib.request.urlopen(url, context=self.ssl_context(), timeout=seconds + 30) as resp:
                 return resp.read()
-        except (OSError, urllib.error.HTTPError) as exc:
+        except OSError as exc:  # HTTPError included
             raise HarnessError(f"kube-apiserver's CPU profile ({url}): {exc}") from exc
 
     def server_version(self) -> dict[str, str]:
