@@ -36,9 +36,17 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("writes: managedFields", ("managedfields/internal.(*FieldManager)",)),
     ("writes: applying a PATCH", ("applyPatchToCurrentObject",)),
+    # a write's storage work runs in a goroutine of finishRequest's, whose stack starts there, not in the handler
     (
         "writes: the rest (decode, validation, etcd, encode)",
-        ("handlers.UpdateResource", "handlers.PatchResource", "createHandler", "handlers.DeleteResource"),
+        (
+            "finisher.finishRequest",
+            "handlers.UpdateResource",
+            "handlers.PatchResource",
+            "handlers.(*patcher)",
+            "createHandler",
+            "handlers.DeleteResource",
+        ),
     ),
     ("watches served", ("(*WatchServer)", "(*cacheWatcher)", "(*Cacher).dispatchEvent")),
     ("reads (GET, LIST)", ("handlers.GetResource", "handlers.ListResource")),
