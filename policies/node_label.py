@@ -15,7 +15,8 @@ from .release_guard import claim_nodes
 from .requester import Requester, not_the_agents_node, object_name
 
 
-def _node_label(meta: dict[str, Any]) -> str | None:
+def node_label(meta: dict[str, Any]) -> str | None:
+    """The node a claim's metadata is labelled with (`scrubgate.dev/node`), or None."""
     value = as_dict(meta.get("labels")).get(names.LABEL_NODE)
     return None if value is None else as_str(value)
 
@@ -31,7 +32,7 @@ def _refusal(who: Requester, path: str) -> Violation:
 
 def node_label_guard(obj: dict[str, Any], old: dict[str, Any], who: Requester, policy: PolicyConfig) -> list[Violation]:
     """SG007 on an UPDATE of a ResourceClaim that sets, changes or removes its node label."""
-    before, after = _node_label(metadata(old)), _node_label(metadata(obj))
+    before, after = node_label(metadata(old)), node_label(metadata(obj))
     if before == after:
         return []
     path = pointer("metadata", "labels", names.LABEL_NODE)
@@ -62,5 +63,5 @@ def preset_node_label(obj: dict[str, Any], who: Requester, policy: PolicyConfig)
     return [
         _refusal(who, pointer(*place, "labels", names.LABEL_NODE))
         for place, meta in claim_metadatas(obj)
-        if _node_label(meta) is not None
+        if node_label(meta) is not None
     ]

@@ -11,6 +11,7 @@ from typing import Any
 
 from scrubgate.policies import names
 from scrubgate.policies.attestation import is_ended_pod_record
+from scrubgate.policies.node_label import node_label
 from scrubgate.policies.release_guard import claim_nodes
 
 from .gpu.base import MigPlacement
@@ -352,9 +353,9 @@ def node_label_ops(claim: dict[str, Any], node: str) -> list[dict[str, Any]] | N
     watches its claims), guarded by its UID and, where it has no labels yet, a test that it still has none; None
     when it has the label already."""
     meta = _meta(claim)
-    labels = meta.get("labels")
-    if isinstance(labels, dict) and labels.get(names.LABEL_NODE) == node:
+    if node_label(meta) == node:
         return None
+    labels = meta.get("labels")
     ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": meta.get("uid")}]
     if isinstance(labels, dict):
         return [*ops, {"op": "add", "path": f"/metadata/labels/{_escape(names.LABEL_NODE)}", "value": node}]

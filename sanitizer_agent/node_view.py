@@ -9,13 +9,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from scrubgate.policies import names
+from scrubgate.policies.model import metadata
+from scrubgate.policies.node_label import node_label
 
 Claim = dict[str, Any]
-
-
-def _node_label(claim: Claim) -> str | None:
-    return ((claim.get("metadata") or {}).get("labels") or {}).get(names.LABEL_NODE)
 
 
 @dataclass
@@ -73,7 +70,7 @@ class NodeView:
         the list. A claim the agent tracks (`tracked`) but has not labelled yet (the label goes with its first
         annotation write) is not in it: kept as last seen, so that the next look needs no read of it."""
         with self.lock:
-            kept = {uid: c for uid, c in self.seen.items() if uid in tracked and _node_label(c) != node}
+            kept = {uid: c for uid, c in self.seen.items() if uid in tracked and node_label(metadata(c)) != node}
             self.seen = kept | {uid: c for c in claims if (uid := (c.get("metadata") or {}).get("uid"))}
 
     def prune(self, cutoff: float) -> None:

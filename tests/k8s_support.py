@@ -12,7 +12,10 @@ from devcluster.controlplane import ControlPlane
 
 
 @contextlib.contextmanager
-def api_server(root: Path, runtime_config: tuple[str, ...] = ()) -> Iterator[ControlPlane]:
-    """etcd and kube-apiserver under ``root``; ``admin_client()`` talks to it as kubernetes-admin."""
-    with ControlPlane(root / "control-plane", users=[], controllers=False, runtime_config=runtime_config) as plane:
+def api_server(root: Path, runtime_config: tuple[str, ...] = (), profiling: bool = False) -> Iterator[ControlPlane]:
+    """etcd and kube-apiserver under ``root``; ``admin_client()`` talks to it as kubernetes-admin; with
+    ``profiling`` it serves /debug/pprof (``cpu_profile``)."""
+    with ControlPlane(
+        root / "control-plane", users=[], controllers=False, runtime_config=runtime_config, profiling=profiling
+    ) as plane:
         yield plane

@@ -10,10 +10,10 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from k8s_support import api_server
 
 from bench.apiserver_cpu import CATEGORIES, CLAIMS_CREATED, OTHER, WANTED, table
 from bench.pprof import ProfileError, read
-from devcluster.controlplane import ControlPlane
 from devcluster.load import counters
 
 
@@ -87,7 +87,7 @@ def test_the_table_gives_each_categorys_share_of_the_difference() -> None:
 def test_a_real_kube_apiservers_profile_is_read(tmp_path) -> None:
     """kube-apiserver started with profiling serves /debug/pprof/profile; requests made meanwhile show in it as
     kube-apiserver's own functions, and its metrics count the claims created in the window."""
-    with ControlPlane(tmp_path / "control-plane", users=[], controllers=False, profiling=True) as plane:
+    with api_server(tmp_path, profiling=True) as plane:
         stop = threading.Event()
 
         def busy() -> None:
